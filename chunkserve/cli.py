@@ -1,0 +1,54 @@
+"""`chunkserve generate "PROMPT"`: one generation from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from chunkserve.config import EngineArgs
+from chunkserve.errors import InvalidRequestError, ModelLoadError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chunkserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="generate an answer to one prompt")
+    generate.add_argument("prompt", help="the prompt (the chat template is applied unless --raw)")
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    EngineArgs.add_cli_args(generate)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from chunkserve import LLM, SamplingParams
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+    )
+    has_template = bool(getattr(llm.get_tokenizer(), "chat_template", None))
+    if args.raw or not has_template:
+        output = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    else:
+        output = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    print(output.outputs[0].text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            _generate(args)
+    except (InvalidRequestError, ModelLoadError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

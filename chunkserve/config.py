@@ -1,0 +1,132 @@
+"""Engine configuration: one flat `EngineArgs` for users and the CLI, resolved into small
+frozen configs, one per owner (scheduler, KV cache), once the model is known."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from chunkserve.errors import InvalidRequestError
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DEFAULT_CHUNKED_BUDGET = 512
+DEFAULT_MAX_NUM_SEQS = 128
+DTYPES = ("float32", "bfloat16")
+
+
+def _arg(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class EngineArgs:
+    """Every engine knob, with vLLM's names. `add_cli_args` turns the fields into flags."""
+
+    model: str | None = _arg(
+        None, "Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"
+    )
+    dtype: str = _arg("float32", "weights and activations dtype", choices=DTYPES)
+    max_model_len: int | None = _arg(
+        None, "longest prompt + output in tokens (default: the model's limit, capped by the KV pool)"
+    )
+    max_num_batched_tokens: int | None = _arg(
+        None,
+        f"token budget of one engine step, decode + prefill tokens (default: {DEFAULT_CHUNKED_BUDGET} with "
+        "chunked prefill, max_model_len without)",
+    )
+    max_num_seqs: int | None = _arg(
+        None, f"most requests running at once (default: {DEFAULT_MAX_NUM_SEQS}, at most the step budget)"
+    )
+    enable_chunked_prefill: bool = _arg(
+        True, "cut long prompts into chunks; off = each prompt is prefilled whole in one step"
+    )
+    enable_mixed_batch: bool = _arg(
+        True, "put prefill chunks and decodes in one forward; off = a step is all-prefill or all-decode"
+    )
+    long_prefill_token_threshold: int = _arg(0, "most prompt tokens one request may prefill in one step (0: no cap)")
+    max_num_partial_prefills: int = _arg(1, "most requests left with an unfinished prompt at the end of a step")
+    block_size: int = _arg(16, "tokens per KV cache block (page)")
+    kv_cache_memory_gb: float = _arg(2.0, "memory for the KV cache pool, GiB")
+    num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides --kv-cache-memory-gb)")
+    scheduling_policy: str = _arg("fcfs", "order of admission and preemption", choices=SCHEDULING_POLICIES)
+    seed: int = _arg(0, "seed of the sampler for requests that give none")
+
+    def __post_init__(self) -> None:
+        def fail(message: str) -> None:
+            raise InvalidRequestError(message)
+
+        if self.dtype not in DTYPES:
+            fail(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            fail(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.block_size < 1:
+            fail(f"block_size must be positive, got {self.block_size}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
+            fail(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"block_size ({self.block_size}): chunks are whole blocks"
+            )
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            fail(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.long_prefill_token_threshold < 0:
+            fail("long_prefill_token_threshold must be non-negative")
+        if 0 < self.long_prefill_token_threshold < self.block_size:
+            fail(f"long_prefill_token_threshold must be 0 or at least block_size ({self.block_size})")
+        if self.max_num_partial_prefills < 1:
+            fail("max_num_partial_prefills must be at least 1")
+        if self.kv_cache_memory_gb <= 0:
+            fail("kv_cache_memory_gb must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            fail("num_kv_blocks must be positive")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            fail("max_model_len must be positive")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"], "dest": f.name}
+            if f.type == "bool":
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
+                if "choices" in f.metadata:
+                    kwargs["choices"] = f.metadata["choices"]
+            parser.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler reads; see EngineArgs for the meaning of each field."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    enable_chunked_prefill: bool = True
+    enable_mixed_batch: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    scheduling_policy: str = "fcfs"
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, max_model_len: int) -> SchedulerConfig:
+        """Resolve the defaults that depend on the model's length limit."""
+        budget = args.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_CHUNKED_BUDGET if args.enable_chunked_prefill else max(max_model_len, DEFAULT_CHUNKED_BUDGET)
+        max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else min(DEFAULT_MAX_NUM_SEQS, budget)
+        resolved = {"max_model_len", "max_num_batched_tokens", "max_num_seqs"}
+        names = {f.name for f in dataclasses.fields(cls)} - resolved
+        return cls(
+            max_model_len=max_model_len,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            **{n: getattr(args, n) for n in names},
+        )

@@ -1,0 +1,95 @@
+"""The offline API, shaped like vLLM's: `LLM(model).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from chunkserve.config import EngineArgs
+from chunkserve.engine.llm_engine import LLMEngine
+from chunkserve.engine.outputs import RequestOutput, StepRecord
+from chunkserve.errors import InvalidRequestError
+from chunkserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Generate for a batch of prompts at once; every engine knob is a keyword argument
+    (see EngineArgs: max_num_batched_tokens, enable_chunked_prefill, ...)."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def get_step_records(self) -> list[StepRecord]:
+        return list(self.engine.step_records)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """One finished output per prompt, in the prompts' order. A prompt is a string or a
+        list of token ids."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompt_list), "priority")
+        request_ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
+        try:
+            for request_id, prompt, p, prio in zip(request_ids, prompt_list, params, priorities):
+                self.engine.add_request(request_id, prompt, p, priority=prio)
+        except Exception:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if not messages:
+            raise InvalidRequestError("messages is empty")
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template; use generate() with a plain prompt")
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2) as bar:
+            while len(finished) < len(wanted):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise InvalidRequestError(f"{name} has {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * count

@@ -1,0 +1,53 @@
+"""What the engine hands back per request (shaped like vLLM's RequestOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from chunkserve.core.scheduler_output import ForwardMode
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # the whole output text so far
+    token_ids: list[int]  # the whole output so far
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    text_delta: str = ""  # text added by this step (what a stream sends)
+    new_token_ids: list[int] = field(default_factory=list)  # tokens added by this step
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # wall clock (time.time()) when the request was added
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # wall-clock time of each output token
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """The composition and duration of one engine step."""
+
+    step_id: int
+    start_time: float  # wall clock
+    duration_s: float
+    forward_mode: ForwardMode
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_requests: int
+    num_preemptions: int
+    kv_cache_usage: float  # fraction of KV blocks in use after the step

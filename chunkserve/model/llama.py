@@ -1,0 +1,158 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flat mixed batch.
+
+Every linear layer runs once over all T rows of the step (prefill chunks and decodes
+together: SARATHI's piggybacking); only attention looks at request boundaries. Q/K/V and
+gate/up are fused into one matmul each when the weights are loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chunkserve.model.config import ModelConfig
+from chunkserve.worker.attention import AttentionMetadata, paged_attention, write_kv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (the Hugging Face `rotate_half` layout)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        # Plain attributes, not buffers: the model is built on the meta device and the
+        # tables are computed here, on the CPU, whatever the surrounding device context.
+        inv_freq, scaling = config.rotary_inv_freq()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
+        self.cos = freqs.cos() * scaling  # [max_positions, head_dim // 2]
+        self.sin = freqs.sin() * scaling
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] rotated at `positions` [T]."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # (T, 1, D/2)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        num_rows = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_rows, self.num_heads, self.head_dim)
+        k = k.view(num_rows, self.num_kv_heads, self.head_dim)
+        v = v.view(num_rows, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, positions), rotary(k, positions)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.view(num_rows, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> float32 logits [R, vocab]; called only for rows that sample."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Take Hugging Face-named tensors, fusing q/k/v and gate/up."""
+        dtype = self.embed_tokens.weight.dtype
+        own = dict(self.named_parameters())
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            target = own.pop(name)
+            assert target.shape == tensor.shape, f"{name}: expected {tuple(target.shape)}, got {tuple(tensor.shape)}"
+            target.copy_(tensor.to(dtype))
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"weight {name!r} is missing from the checkpoint")
+            return weights[name]
+
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm.weight", take("model.norm.weight"))
+        if self.lm_head is not None:
+            put("lm_head.weight", take("lm_head.weight"))
+        for i in range(self.config.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for kind in ("weight", "bias") if self.config.qkv_bias else ("weight",):
+                fused = [take(f"{src}self_attn.{p}_proj.{kind}") for p in "qkv"]
+                put(f"{dst}self_attn.qkv_proj.{kind}", torch.cat(fused))
+            put(f"{dst}self_attn.o_proj.weight", take(f"{src}self_attn.o_proj.weight"))
+            gate_up = [take(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]
+            put(f"{dst}mlp.gate_up_proj.weight", torch.cat(gate_up))
+            put(f"{dst}mlp.down_proj.weight", take(f"{src}mlp.down_proj.weight"))
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                put(f"{dst}{norm}.weight", take(f"{src}{norm}.weight"))
+            if self.config.qk_norm:
+                for norm in ("q_norm", "k_norm"):
+                    put(f"{dst}self_attn.{norm}.weight", take(f"{src}self_attn.{norm}.weight"))
+        assert not own, f"weights not loaded: {sorted(own)}"

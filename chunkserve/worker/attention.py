@@ -1,0 +1,70 @@
+"""Attention over the paged KV cache for a flattened mixed batch (torch SDPA backend).
+
+The flat batch puts decode rows first, then each prefill chunk:
+
+    rows   | d0 d1 d2 | p0 p0 p0 p0 | p1 p1 |
+           decodes      chunk of p0   chunk of p1
+
+Decodes are attended together (their key lists padded to the longest, padding masked
+out); each prefill chunk is attended on its own, its queries at positions [c, c+n)
+seeing keys [0, c + i] (the earlier chunks from the cache plus its own keys, causally).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    row_start: int  # first row of the chunk in the flat batch
+    num_rows: int
+    key_slots: torch.Tensor  # [context_len] KV slots of positions 0 .. c+n-1
+    mask: torch.Tensor | None  # [num_rows, context_len] True = attend; None = plain causal (c == 0)
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the input batch, read by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] where each row's new K/V is written
+    num_decode_rows: int
+    decode_key_slots: torch.Tensor | None  # [B, max_len] KV slots of each decode's keys, padded with 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_len] True = a real key
+    prefills: list[PrefillChunk]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Store this step's keys and values (`[T, kv_heads, head_dim]`) at their slots."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, head_dim]; caches: [num_slots, kv_heads, head_dim] -> [T, heads, head_dim]."""
+    out = torch.empty_like(q)
+    num_decodes = meta.num_decode_rows
+    if num_decodes:
+        slots = meta.decode_key_slots
+        keys = k_cache[slots].transpose(1, 2)  # (B, kv_heads, L, D)
+        values = v_cache[slots].transpose(1, 2)
+        queries = q[:num_decodes].unsqueeze(2)  # (B, heads, 1, D)
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[:num_decodes] = attended.squeeze(2)
+    for chunk in meta.prefills:
+        rows = slice(chunk.row_start, chunk.row_start + chunk.num_rows)
+        keys = k_cache[chunk.key_slots].transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, D)
+        values = v_cache[chunk.key_slots].transpose(0, 1).unsqueeze(0)
+        queries = q[rows].transpose(0, 1).unsqueeze(0)  # (1, heads, n, D)
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
+        )
+        out[rows] = attended.squeeze(0).transpose(0, 1)
+    return out

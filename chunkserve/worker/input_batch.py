@@ -1,0 +1,104 @@
+"""SchedulerOutput -> ForwardBatch: the flat tensors one forward pass needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from chunkserve.core.scheduler_output import ScheduledRequest
+from chunkserve.worker.attention import AttentionMetadata, PrefillChunk
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [R] rows whose hidden state is turned into logits
+    sample_request_ids: list[str]  # [R] the request each of those rows belongs to
+
+
+def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, list[int]],
+                        block_size: int) -> ForwardBatch:
+    """Flatten the step. Single-token rows (decodes) go first and share one batched
+    attention call; longer chunks follow, each attended on its own.
+
+    `token_ids[request_id]` is the request's whole token list (prompt + output so far).
+    """
+    singles = [s for s in scheduled if s.num_scheduled_tokens == 1]
+    chunks = [s for s in scheduled if s.num_scheduled_tokens > 1]
+    ordered = singles + chunks
+
+    input_ids: list[int] = []
+    positions: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    logits_rows: list[int] = []
+    sample_ids: list[str] = []
+    prefills: list[PrefillChunk] = []
+    row = 0
+    for s in ordered:
+        start, count = s.num_computed_tokens, s.num_scheduled_tokens
+        input_ids.extend(token_ids[s.request_id][start : start + count])
+        table = np.asarray(s.block_table, dtype=np.int64)
+        context_positions = np.arange(start + count, dtype=np.int64)
+        context_slots = _slots_of(table, context_positions, block_size)  # keys 0 .. start+count-1
+        positions.append(context_positions[start:])
+        slots.append(context_slots[start:])
+        if count > 1:
+            prefills.append(PrefillChunk(row, count, torch.from_numpy(context_slots), _chunk_mask(start, count)))
+        row += count
+        if s.sample:
+            logits_rows.append(row - 1)
+            sample_ids.append(s.request_id)
+
+    decode_key_slots, decode_mask = _decode_keys(singles, block_size)
+    attn = AttentionMetadata(
+        slot_mapping=torch.from_numpy(np.concatenate(slots)),
+        num_decode_rows=len(singles),
+        decode_key_slots=decode_key_slots,
+        decode_mask=decode_mask,
+        prefills=prefills,
+    )
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        positions=torch.from_numpy(np.concatenate(positions)),
+        attn=attn,
+        logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+        sample_request_ids=sample_ids,
+    )
+
+
+def _slots_of(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """block_size 4, table [7, 2], positions [0..5] -> [28, 29, 30, 31, 8, 9]"""
+    return block_table[positions // block_size] * block_size + positions % block_size
+
+
+def _chunk_mask(start: int, count: int) -> torch.Tensor | None:
+    """Queries at positions start..start+count-1 see keys 0..their own position.
+    start 2, count 2 -> [[1,1,1,0], [1,1,1,1]]; None (plain causal) when start == 0."""
+    if start == 0:
+        return None
+    keys = torch.arange(start + count)
+    queries = torch.arange(start, start + count)
+    return keys[None, :] <= queries[:, None]
+
+
+def _decode_keys(singles: list[ScheduledRequest], block_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Key slots `[B, max_len]` of every single-token row, padded with slot 0, and the
+    mask `[B, 1, 1, max_len]` of real keys. Context lengths [3, 1] -> mask [[1,1,1],[1,0,0]]."""
+    if not singles:
+        return None, None
+    context_lens = np.array([s.num_computed_tokens + 1 for s in singles], dtype=np.int64)
+    max_len = int(context_lens.max())
+    max_blocks = -(-max_len // block_size)
+    tables = np.zeros((len(singles), max_blocks), dtype=np.int64)
+    for i, s in enumerate(singles):
+        used = s.block_table[:max_blocks]
+        tables[i, : len(used)] = used
+    key_positions = np.arange(max_len, dtype=np.int64)
+    key_slots = tables[:, key_positions // block_size] * block_size + key_positions % block_size
+    mask = key_positions[None, :] < context_lens[:, None]
+    key_slots = np.where(mask, key_slots, 0)
+    return torch.from_numpy(key_slots), torch.from_numpy(mask)[:, None, None, :]

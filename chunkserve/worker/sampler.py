@@ -1,0 +1,110 @@
+"""Logits -> next tokens: penalties, min_tokens, then greedy or temperature/top-k/top-p/min-p
+sampling. Seeded requests draw from their own generator, so their stream is reproducible
+whatever else shares the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from chunkserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingState:
+    """What the sampler needs of one request; the runner keeps it for the request's life."""
+
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    eos_token_id: int | None
+    generator: torch.Generator | None  # set when the request has a seed
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def sample(logits: torch.Tensor, states: list[SamplingState], default_generator: torch.Generator) -> list[int]:
+    """logits: float32 [R, vocab], one row per state -> R token ids."""
+    _apply_penalties(logits, states)
+    _mask_stops_before_min_tokens(logits, states)
+    greedy = [s.params.is_greedy for s in states]
+    if all(greedy):
+        return logits.argmax(dim=-1).tolist()
+    chosen = logits.argmax(dim=-1)
+    random_rows = [i for i, g in enumerate(greedy) if not g]
+    probs = _filtered_probs(logits[random_rows], [states[i].params for i in random_rows])
+    draws = _exponential_like(probs, [states[i].generator for i in random_rows], default_generator)
+    chosen[random_rows] = (probs / draws).argmax(dim=-1)
+    return chosen.tolist()
+
+
+def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    """Repetition penalty over prompt and output (Hugging Face's rule); presence and
+    frequency penalties over the output (OpenAI's rule). In place."""
+    for row, state in enumerate(states):
+        params = state.params
+        if not params.has_penalties:
+            continue
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(state.token_ids)), dtype=torch.long)
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(
+                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+            )
+        if params.presence_penalty or params.frequency_penalty:
+            output = torch.tensor(state.token_ids[state.num_prompt_tokens :], dtype=torch.long)
+            counts = torch.bincount(output, minlength=logits.shape[1]).to(logits.dtype)
+            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _mask_stops_before_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    for row, state in enumerate(states):
+        if state.num_output_tokens >= state.params.min_tokens:
+            continue
+        stops = list(state.params.stop_token_ids)
+        if state.eos_token_id is not None and not state.params.ignore_eos:
+            stops.append(state.eos_token_id)
+        if stops:
+            logits[row, stops] = float("-inf")
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p filters -> probabilities [R, vocab]."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temperature
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, params)
+    probs = logits.softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    drop = ranks >= top_k
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype).unsqueeze(1)
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before > top_p  # the most likely token always stays (mass before it is 0)
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _exponential_like(probs: torch.Tensor, generators: list[torch.Generator | None],
+                      default_generator: torch.Generator) -> torch.Tensor:
+    """Exp(1) noise per row: argmax(p / noise) is a sample from p (the exponential race)."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=default_generator)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    return noise
