@@ -74,7 +74,8 @@ class ModelConfig:
             return 1.0 / (theta**exponents), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))
+        with torch.device("cpu"):  # even when the model is being built on the meta device
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))
         return inv_freq.float(), float(scaling)
 
 

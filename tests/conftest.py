@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random-weight models of each architecture (built with transformers,
+nothing downloaded) and the default SmolLM2 model with transformers' own load of it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from chunkserve.engine.tokenizer import load_tokenizer
+from chunkserve.model.loader import default_model_path, resolve_model
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
+
+
+def tiny_hf_config(arch: str):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if arch == "llama":
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return LlamaConfig(**TINY, rope_parameters=rope, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return Qwen2Config(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return Qwen3Config(**TINY, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                           tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    return load_tokenizer(resolve_model(None))
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
+def tiny_model_dir(request, tmp_path_factory, default_tokenizer):
+    """A Hugging Face folder with random weights, the default tokenizer and its vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(request.param)
+    config.vocab_size = len(default_tokenizer)
+    config.eos_token_id = default_tokenizer.eos_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    model.save_pretrained(folder)
+    default_tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' own load of the default GGUF: the oracle for our loader and engine."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """One engine on the default model with a mid-sized budget, shared by engine tests."""
+    from chunkserve import LLM
+
+    return LLM(max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32)

@@ -1,0 +1,65 @@
+"""Our model's logits equal transformers' on the same weights, for every chunk size and
+with other requests' decodes in the same flat batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from chunkserve.model.loader import load_model, load_model_config, resolve_model
+
+from tests.paged_runner import PagedRunner, reference_logits
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    source = resolve_model(tiny_model_dir)
+    config = load_model_config(source)
+    return reference, load_model(source, config, "float32", 512), config
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7, 16, 64])
+def test_prompt_logits_match_transformers_for_any_chunk_size(models, chunk):
+    reference, model, config = models
+    prompt = np.random.default_rng(1).integers(0, config.vocab_size, 150).tolist()
+    expected = reference_logits(reference, prompt)
+    assert expected.std() > 0.1, "random weights too small for a meaningful comparison"
+    runner = PagedRunner(model, config)
+    runner.add("a", prompt)
+    chunk = chunk or len(prompt)
+    got = torch.cat([runner.step({"a": min(chunk, len(prompt) - s)})["a"] for s in range(0, len(prompt), chunk)])
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_chunks_mixed_with_other_requests_decodes(models, chunk):
+    """A chunked prompt and three decoding requests share every forward."""
+    reference, model, config = models
+    rng = np.random.default_rng(2)
+    runner = PagedRunner(model, config)
+    decoders = {f"d{i}": rng.integers(0, config.vocab_size, n).tolist() for i, n in enumerate((5, 33, 80))}
+    for request_id, tokens in decoders.items():
+        runner.add(request_id, tokens)
+        runner.step({request_id: len(tokens) - 1})  # prefill all but the last token
+    prompt = rng.integers(0, config.vocab_size, 130).tolist()
+    runner.add("p", prompt)
+    got_prompt = []
+    for start in range(0, len(prompt), chunk):
+        work = {"p": min(chunk, len(prompt) - start)}
+        for request_id, tokens in decoders.items():
+            work[request_id] = 1
+            if runner.computed[request_id] == len(tokens):
+                tokens.append(int(rng.integers(0, config.vocab_size)))
+                runner.tokens[request_id] = tokens
+        rows = runner.step(work)
+        got_prompt.append(rows["p"])
+        for request_id, tokens in decoders.items():
+            expected = reference_logits(reference, tokens[: runner.computed[request_id]])[-1]
+            torch.testing.assert_close(rows[request_id][0], expected, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(got_prompt), reference_logits(reference, prompt), atol=ATOL, rtol=1e-4)

@@ -1,0 +1,62 @@
+"""Loading: the embedded GGUF gives transformers' logits; bad paths and architectures are
+clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from chunkserve.errors import ModelLoadError
+from chunkserve.model.loader import load_model, load_model_config, resolve_model
+
+from tests.paged_runner import PagedRunner, reference_logits
+
+
+def test_default_gguf_logits_match_transformers_load(hf_default_model):
+    source = resolve_model(None)
+    assert source.kind == "gguf"
+    config = load_model_config(source)
+    assert (config.architecture, config.num_layers, config.num_kv_heads, config.tie_word_embeddings) == (
+        "LlamaForCausalLM", 30, 3, True)
+    model = load_model(source, config, "float32", 1024)
+    prompt = np.random.default_rng(0).integers(0, config.vocab_size, 100).tolist()
+    runner = PagedRunner(model, config)
+    runner.add("a", prompt)
+    got = torch.cat([runner.step({"a": 48})["a"], runner.step({"a": 52})["a"]])
+    torch.testing.assert_close(got, reference_logits(hf_default_model, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_is_selectable_and_close(tiny_model_dir):
+    source = resolve_model(tiny_model_dir)
+    config = load_model_config(source)
+    fp32, bf16 = load_model(source, config, "float32", 256), load_model(source, config, "bfloat16", 256)
+    assert bf16.embed_tokens.weight.dtype == torch.bfloat16
+    prompt = list(range(100, 140))
+    logits = []
+    for model in (fp32, bf16):
+        runner = PagedRunner(model, config)
+        runner.add("a", prompt)
+        logits.append(runner.step({"a": 20})["a"])
+        logits[-1] = torch.cat([logits[-1], runner.step({"a": 20})["a"]])
+    assert (logits[0] - logits[1]).abs().max() < 0.05 * logits[0].abs().max()
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model(str(tmp_path / "nowhere"))
+
+
+def test_folder_without_weights_names_what_is_missing(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match=r"\*\.safetensors"):
+        resolve_model(str(tmp_path))
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        load_model_config(resolve_model(str(tmp_path)))

@@ -1,0 +1,51 @@
+"""Drive a model directly over a paged KV cache, as the runner would, for logit checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from chunkserve.core.scheduler_output import ScheduledRequest
+from chunkserve.worker.input_batch import build_forward_batch
+from chunkserve.worker.kv_cache import allocate_kv_cache
+
+BLOCK_SIZE = 16
+
+
+class PagedRunner:
+    """Drives the model over a paged cache with deliberately scattered block tables."""
+
+    def __init__(self, model, config, num_blocks: int = 256) -> None:
+        self.model, self.kv = model, allocate_kv_cache(config, model.embed_tokens.weight.dtype, num_blocks, BLOCK_SIZE)
+        self.free = list(np.random.default_rng(0).permutation(num_blocks))
+        self.tables: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def add(self, request_id: str, token_ids: list[int]) -> None:
+        self.tokens[request_id], self.computed[request_id], self.tables[request_id] = list(token_ids), 0, []
+
+    def step(self, work: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Run `work[request_id]` tokens of each request in one forward; logits of every row."""
+        scheduled = []
+        for request_id, count in work.items():
+            start = self.computed[request_id]
+            table = self.tables[request_id]
+            while len(table) * BLOCK_SIZE < start + count:
+                table.append(int(self.free.pop()))
+            scheduled.append(ScheduledRequest(request_id, start, count, list(table), True, count == 1 and start > 0))
+            self.computed[request_id] += count
+        batch = build_forward_batch(scheduled, self.tokens, BLOCK_SIZE)
+        with torch.inference_mode():
+            logits = self.model.compute_logits(self.model(batch.input_ids, batch.positions, self.kv, batch.attn))
+        rows, row = {}, 0
+        ordered = [s for s in scheduled if s.num_scheduled_tokens == 1] + [s for s in scheduled if s.num_scheduled_tokens > 1]
+        for s in ordered:
+            rows[s.request_id] = logits[row : row + s.num_scheduled_tokens]
+            row += s.num_scheduled_tokens
+        return rows
+
+
+def reference_logits(reference, token_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return reference(torch.tensor([token_ids])).logits[0]
