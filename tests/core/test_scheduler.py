@@ -1,0 +1,260 @@
+"""Scheduler tests without a model: a fake runner that simulates the paged KV cache.
+
+The fake runner writes (request, position, token) into every slot the step computes and,
+before sampling, checks that the request's whole history is in its blocks. Its "model" is
+a deterministic function of the token history, so a request's output only stays the same
+under preemption if the scheduler recomputed exactly the right tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from chunkserve.config import SchedulerConfig
+from chunkserve.core.request import Request, RequestStatus
+from chunkserve.core.scheduler import Scheduler
+from chunkserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from chunkserve.sampling_params import SamplingParams
+
+BLOCK = 4
+EOS = 0
+
+
+def make_scheduler(num_blocks: int = 1000, **overrides) -> Scheduler:
+    config = dict(max_num_batched_tokens=32, max_num_seqs=16, max_model_len=4000, block_size=BLOCK)
+    config.update(overrides)
+    return Scheduler(SchedulerConfig(**config), num_blocks)
+
+
+def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, priority: int = 0,
+                 arrival: float = 0.0) -> Request:
+    prompt = [(hash(request_id) + i) % 997 + 1 for i in range(prompt_len)]
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   eos_token_id=EOS, priority=priority, arrival_time=arrival)
+
+
+class FakeRunner:
+    def __init__(self, block_size: int = BLOCK) -> None:
+        self.block_size = block_size
+        self.slots: dict[int, tuple[str, int, int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in output.finished_request_ids:
+            self.tokens.pop(request_id)
+        for new in output.new_requests:
+            self.tokens[new.request_id] = list(new.prompt_token_ids)
+        sampled = {}
+        for s in output.scheduled:
+            tokens = self.tokens[s.request_id]
+            for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens):
+                self.slots[self.slot(s.block_table, pos)] = (s.request_id, pos, tokens[pos])
+            if s.sample:
+                end = s.num_computed_tokens + s.num_scheduled_tokens
+                assert end == len(tokens), "sampling before the whole history is computed"
+                for pos in range(end):
+                    assert self.slots[self.slot(s.block_table, pos)] == (s.request_id, pos, tokens[pos]), (
+                        f"{s.request_id}: KV of position {pos} is wrong")
+                token = (sum(tokens) * 31 + len(tokens)) % 997 + 1
+                tokens.append(token)
+                sampled[s.request_id] = token
+        return ModelRunnerOutput(sampled)
+
+    def slot(self, table: list[int], pos: int) -> int:
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+def run(scheduler: Scheduler, requests: list[Request], check=None, max_steps: int = 10_000) -> dict[str, list[int]]:
+    """Step until every request finishes; `check(scheduler, output)` runs on every step."""
+    runner = FakeRunner(scheduler.config.block_size)
+    for request in requests:
+        scheduler.add_request(request)
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        output = scheduler.schedule()
+        assert output.num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
+        assert len(output.scheduled) <= scheduler.config.max_num_seqs
+        if check:
+            check(scheduler, output)
+        scheduler.update_from_output(output, runner.execute(output))
+    assert not scheduler.has_unfinished_requests(), "requests never finished"
+    assert_pool_free(scheduler)
+    return {r.request_id: r.output_token_ids for r in requests}
+
+
+def assert_pool_free(scheduler: Scheduler) -> None:
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks, "KV blocks leaked"
+
+
+def test_budget_is_never_exceeded_and_all_finish():
+    random.seed(0)
+    requests = [make_request(f"r{i}", random.randint(1, 90), random.randint(1, 20)) for i in range(40)]
+    outputs = run(make_scheduler(), requests)
+    assert all(len(outputs[r.request_id]) == r.sampling_params.max_tokens for r in requests)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in requests)
+
+
+def test_running_decodes_are_scheduled_every_step_during_a_long_prefill():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    decoders = [make_request(f"d{i}", 3, max_tokens=60) for i in range(4)]
+    long_prompt = make_request("long", 200, max_tokens=2)
+    runner = FakeRunner()
+    for request in decoders:
+        scheduler.add_request(request)
+    for _ in range(3):
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, runner.execute(output))
+    scheduler.add_request(long_prompt)
+    prefill_steps = 0
+    while long_prompt.num_output_tokens == 0:
+        decoding = {r.request_id for r in scheduler.running if r.is_decoding}
+        output = scheduler.schedule()
+        scheduled = {s.request_id: s for s in output.scheduled}
+        assert decoding <= scheduled.keys(), "a running decode was stalled"
+        if "long" in scheduled:
+            prefill_steps += 1
+            assert output.forward_mode.value == "MIXED"
+        scheduler.update_from_output(output, runner.execute(output))
+    assert prefill_steps >= 200 // 16
+
+
+@pytest.mark.parametrize("budget", [8, 13, 32])
+def test_chunks_end_on_block_boundaries(budget):
+    def check(scheduler, output):
+        for s in output.scheduled:
+            end = s.num_computed_tokens + s.num_scheduled_tokens
+            if not s.sample:
+                assert end % BLOCK == 0, f"chunk ends at {end}, not a block boundary"
+
+    random.seed(1)
+    run(make_scheduler(max_num_batched_tokens=budget, max_num_seqs=8),
+        [make_request(f"r{i}", random.randint(5, 70)) for i in range(12)], check)
+
+
+def test_chunked_prefill_off_prefills_each_prompt_whole():
+    def check(scheduler, output):
+        for s in output.scheduled:
+            assert s.num_computed_tokens == 0 or s.num_scheduled_tokens == 1
+
+    run(make_scheduler(max_num_batched_tokens=100, enable_chunked_prefill=False),
+        [make_request(f"r{i}", 30 + i) for i in range(8)], check)
+
+
+def test_mixing_off_never_mixes():
+    modes = set()
+    run(make_scheduler(enable_mixed_batch=False),
+        [make_request(f"r{i}", 10 + 7 * i, max_tokens=10) for i in range(10)],
+        lambda s, o: modes.add(o.forward_mode.value))
+    assert "MIXED" not in modes and {"EXTEND", "DECODE"} <= modes
+
+
+def test_long_prefill_token_threshold_caps_a_request_per_step():
+    def check(scheduler, output):
+        assert all(s.num_scheduled_tokens <= 8 for s in output.scheduled)
+
+    run(make_scheduler(long_prefill_token_threshold=8), [make_request("r", 50)], check)
+
+
+def test_max_num_partial_prefills_limits_unfinished_prompts():
+    def check(scheduler, output):
+        partial = [s for s in output.scheduled if not s.sample and not s.is_decode]
+        assert len(partial) <= 2
+
+    run(make_scheduler(max_num_batched_tokens=64, max_num_partial_prefills=2),
+        [make_request(f"r{i}", 100) for i in range(6)], check)
+
+
+def test_preemption_under_a_tiny_pool_keeps_every_output():
+    random.seed(2)
+    specs = [(f"r{i}", random.randint(1, 30), random.randint(5, 30)) for i in range(12)]
+    big = run(make_scheduler(num_blocks=1000), [make_request(*spec) for spec in specs])
+    small_scheduler = make_scheduler(num_blocks=20)
+    small = run(small_scheduler, [make_request(*spec) for spec in specs])
+    assert small_scheduler.num_preemptions > 0, "the pool was not small enough to preempt"
+    assert small == big
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    scheduler = make_scheduler(num_blocks=1000, scheduling_policy="priority", max_num_seqs=1)
+    requests = [make_request("low", 5, 3, priority=5, arrival=0), make_request("high", 5, 3, priority=0, arrival=1),
+                make_request("mid", 5, 3, priority=2, arrival=2)]
+    finish_order = []
+
+    def check(scheduler, output):
+        for s in output.scheduled:
+            if s.request_id not in finish_order:
+                finish_order.append(s.request_id)
+
+    run(scheduler, requests, check)
+    assert finish_order == ["high", "mid", "low"]
+
+
+def test_priority_preemption_picks_the_lowest_priority():
+    scheduler = make_scheduler(num_blocks=6, scheduling_policy="priority", max_num_batched_tokens=16)
+    important = make_request("important", 8, max_tokens=12, priority=0, arrival=1)
+    unimportant = make_request("unimportant", 8, max_tokens=12, priority=9, arrival=0)
+    run(scheduler, [unimportant, important])
+    assert important.num_preemptions == 0 and unimportant.num_preemptions > 0
+
+
+def test_fcfs_preempts_the_most_recently_admitted():
+    scheduler = make_scheduler(num_blocks=6, max_num_batched_tokens=16)
+    first, second = make_request("first", 8, max_tokens=12), make_request("second", 8, max_tokens=12)
+    run(scheduler, [first, second])
+    assert first.num_preemptions == 0 and second.num_preemptions > 0
+
+
+@pytest.mark.parametrize("abort_after", [0, 1, 3, 7, 15])
+def test_abort_at_any_point_frees_all_blocks(abort_after):
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    runner = FakeRunner()
+    requests = [make_request(f"r{i}", 20 + 10 * i, max_tokens=20) for i in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    for _ in range(abort_after):
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, runner.execute(output))
+    aborted = scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ABORTED)
+    assert all(r.status == RequestStatus.FINISHED_ABORTED for r in aborted)
+    assert not scheduler.has_unfinished_requests()
+    assert_pool_free(scheduler)
+    assert scheduler.schedule().finished_request_ids <= {r.request_id for r in requests}
+
+
+def test_abort_one_request_leaves_the_others_running():
+    scheduler = make_scheduler()
+    runner = FakeRunner()
+    keep, drop = make_request("keep", 10, 5), make_request("drop", 10, 5)
+    scheduler.add_request(keep)
+    scheduler.add_request(drop)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, runner.execute(output))
+    scheduler.finish_requests(["drop"], RequestStatus.FINISHED_ABORTED)
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        assert "drop" not in {s.request_id for s in output.scheduled}
+        scheduler.update_from_output(output, runner.execute(output))
+    assert keep.num_output_tokens == 5 and drop.status == RequestStatus.FINISHED_ABORTED
+    assert_pool_free(scheduler)
+
+
+def test_stop_token_and_eos_finish_with_stop():
+    scheduler = make_scheduler()
+    runner = FakeRunner()
+    request = make_request("r", 5, max_tokens=50)
+    request.sampling_params = SamplingParams(max_tokens=50, min_tokens=2)
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    runner_output = runner.execute(output)
+    runner_output.sampled_token_ids["r"] = EOS  # EOS before min_tokens: ignored
+    scheduler.update_from_output(output, runner_output)
+    assert not request.is_finished
+    output = scheduler.schedule()
+    runner_output = runner.execute(output)
+    runner_output.sampled_token_ids["r"] = EOS
+    scheduler.update_from_output(output, runner_output)
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    assert_pool_free(scheduler)
