@@ -82,7 +82,9 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if not prompts:
+        raise InvalidRequestError("prompt is empty: got an empty list, neither token ids nor prompts")
+    if all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
 
