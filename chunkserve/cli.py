@@ -27,10 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _generate(args: argparse.Namespace) -> None:
     from chunkserve import LLM, SamplingParams
 
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
-    params = SamplingParams(
+    params = SamplingParams(  # before the model loads, so a bad flag fails at once
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
     )
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     has_template = bool(getattr(llm.get_tokenizer(), "chat_template", None))
     if args.raw or not has_template:
         output = llm.generate(args.prompt, params, use_tqdm=False)[0]
