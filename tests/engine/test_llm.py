@@ -77,6 +77,8 @@ def test_outputs_identical_under_every_scheduler_configuration(reference_outputs
         assert "MIXED" not in modes
     elif budget < 512:
         assert "MIXED" in modes
+    if budget >= 512:
+        assert max(r.num_requests for r in records) >= 16, "expected 16+ requests in flight at once"
     assert_pool_free(llm)
 
 
