@@ -108,7 +108,9 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def plan_engine_jobs(chunk_budgets: list[int]) -> list[EngineJob]:
-    jobs = [EngineJob("unchunked", {"enable_chunked_prefill": False}, prefill=True, decode=False, interference=True)]
+    """Chunked prefill off, then each budget: 512 for prefill and decode, --chunk-budgets for interference."""
+    unchunked = {"enable_chunked_prefill": False}
+    jobs = [EngineJob("unchunked", unchunked, prefill=True, decode=False, interference=True)]
     for budget in sorted({PREFILL_CHUNK_BUDGET, *chunk_budgets}):
         is_main = budget == PREFILL_CHUNK_BUDGET
         jobs.append(EngineJob(f"chunked {budget}", {"max_num_batched_tokens": budget},
@@ -209,6 +211,7 @@ class _TokenClock(StoppingCriteria):
 
 
 def load_hf_model() -> Any:
+    transformers.utils.logging.disable_progress_bar()
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
@@ -306,10 +309,12 @@ def int_list(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--prefill-len", type=int, default=2048, help="prompt length of the prefill and interference runs")
+    parser.add_argument("--prefill-len", type=int, default=2048,
+                        help="prompt length of the prefill and interference runs")
     parser.add_argument("--decode-batches", type=int_list, default=[1, 16, 64], help="decode batch sizes")
     parser.add_argument("--decode-steps", type=int, default=32, help="output tokens per decode run (at least 2)")
-    parser.add_argument("--chunk-budgets", type=int_list, default=[256, 512], help="chunk budgets of the interference runs")
+    parser.add_argument("--chunk-budgets", type=int_list, default=[256, 512],
+                        help="chunk budgets of the interference runs")
     parser.add_argument("--skip-transformers", action="store_true", help="measure chunkserve only")
     parser.add_argument("--repeats", type=int, default=3, help="timed prefill runs; the median is reported")
     parser.add_argument("--json", metavar="FILE", help="also write the results to FILE")
