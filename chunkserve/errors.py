@@ -1,11 +1,24 @@
-"""The error types users see. The server (a later layer) maps them to HTTP codes."""
+"""The error types users see; the server maps each to an HTTP status."""
 
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses: bad prompt, bad sampling values, too long.
 
-    The engine stays usable after raising it; the server answers 400 with the message.
+    The engine stays usable after raising it; the server answers 400 with the message and,
+    where one field is at fault, its name as `param`.
     """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ServerOverloadedError(RuntimeError):
+    """Too many requests are waiting; the client should retry later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (shutting down or crashed); nothing more can be served."""
 
 
 class ModelLoadError(ValueError):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from chunkserve.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -31,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,7 +45,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def fail(message: str) -> None:
-            raise InvalidRequestError(message)
+            raise InvalidRequestError(message, param=message.split(" ", 1)[0])  # messages start with the field
 
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             fail(f"max_tokens must be at least 1, got {self.max_tokens}")
@@ -69,6 +71,8 @@ class SamplingParams:
             fail("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids must be non-negative integers")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:

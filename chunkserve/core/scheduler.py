@@ -28,6 +28,7 @@ from chunkserve.core.scheduler_output import (
     NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
+    SchedulerStats,
 )
 from chunkserve.core.stop import check_stop
 
@@ -78,6 +79,16 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preempted_waiting=sum(r.status == RequestStatus.PREEMPTED for r in self.waiting),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_blocks=self.kv.num_blocks,
+            num_preemptions_total=self.num_preemptions,
+        )
 
     # ----- one step -----------------------------------------------------------------
 

@@ -76,8 +76,36 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probability of a sampled token and the `num_top` most likely alternatives,
+    from the model's raw distribution (before penalties, temperature and filters)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
 @dataclass
 class ModelRunnerOutput:
-    """What the runner sampled: one token per request whose `sample` flag was set."""
+    """What the runner sampled: one token per request whose `sample` flag was set, and
+    its logprobs for the requests that asked for them."""
 
     sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's queues and KV pool at one moment (what /metrics shows as gauges)."""
+
+    num_running: int
+    num_waiting: int
+    num_preempted_waiting: int  # waiting to be recomputed after a preemption
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions_total: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks

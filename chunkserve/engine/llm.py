@@ -11,6 +11,7 @@ from tqdm import tqdm
 from chunkserve.config import EngineArgs
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.engine.outputs import RequestOutput, StepRecord
+from chunkserve.engine.tokenizer import apply_chat_template
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import SamplingParams
 
@@ -58,13 +59,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if not messages:
-            raise InvalidRequestError("messages is empty")
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model has no chat template; use generate() with a plain prompt")
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
+        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

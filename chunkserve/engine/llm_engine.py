@@ -16,6 +16,7 @@ import torch
 from chunkserve.config import EngineArgs, SchedulerConfig
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.scheduler import Scheduler
+from chunkserve.core.scheduler_output import SchedulerStats, TokenLogprobs
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepRecord
 from chunkserve.engine.tokenizer import load_tokenizer
@@ -40,6 +41,7 @@ class _Tracked:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None  # None unless the request asked for logprobs
 
 
 class LLMEngine:
@@ -62,6 +64,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.model_config, num_blocks, args.block_size, args.seed)
         self._tracked: dict[str, _Tracked] = {}
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
+        self.last_step_record: StepRecord | None = None  # of the last step(); None if it ran nothing
         self._next_step_id = 0
         logger.info(
             "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d",
@@ -87,7 +90,8 @@ class LLMEngine:
             arrival_time=wall,
         )
         self._tracked[request_id] = _Tracked(
-            request, text, IncrementalDetokenizer(self.tokenizer, params), RequestMetrics(arrival_time=wall)
+            request, text, IncrementalDetokenizer(self.tokenizer, params), RequestMetrics(arrival_time=wall),
+            logprobs=None if params.logprobs is None else [],
         )
         self.scheduler.add_request(request)
 
@@ -100,12 +104,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
     # ----- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         start_wall, start = time.time(), time.perf_counter()
         scheduled = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduled)
+        self.last_step_record = None
         if scheduled.is_empty:
             return []
         updated = self.scheduler.update_from_output(scheduled, runner_output)
@@ -114,29 +122,35 @@ class LLMEngine:
             metrics = self._tracked[s.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = start_wall
-        outputs = [self._output(request, now, new_token=True) for request in updated]
-        self.step_records.append(
-            StepRecord(
-                step_id=self._next_step_id,
-                start_time=start_wall,
-                duration_s=time.perf_counter() - start,
-                forward_mode=scheduled.forward_mode,
-                num_prefill_tokens=scheduled.num_prefill_tokens,
-                num_decode_tokens=scheduled.num_decode_tokens,
-                num_requests=len(scheduled.scheduled),
-                num_preemptions=len(scheduled.preempted_request_ids),
-                kv_cache_usage=self.scheduler.kv.usage,
-            )
+        outputs = [
+            self._output(request, now, new_token=True, logprobs=runner_output.logprobs.get(request.request_id))
+            for request in updated
+        ]
+        self.last_step_record = StepRecord(
+            step_id=self._next_step_id,
+            start_time=start_wall,
+            duration_s=time.perf_counter() - start,
+            forward_mode=scheduled.forward_mode,
+            num_prefill_tokens=scheduled.num_prefill_tokens,
+            num_decode_tokens=scheduled.num_decode_tokens,
+            num_requests=len(scheduled.scheduled),
+            num_preemptions=len(scheduled.preempted_request_ids),
+            kv_cache_usage=self.scheduler.kv.usage,
         )
+        self.step_records.append(self.last_step_record)
         self._next_step_id += 1
         return outputs
 
-    def _output(self, request: Request, now: float, new_token: bool = False) -> RequestOutput:
+    def _output(self, request: Request, now: float, new_token: bool = False,
+                logprobs: TokenLogprobs | None = None) -> RequestOutput:
         tracked = self._tracked[request.request_id]
         metrics = tracked.metrics
-        new_token_ids = []
+        new_token_ids, new_logprobs = [], []
         if new_token:
             new_token_ids = request.output_token_ids[-1:]
+            if logprobs is not None and tracked.logprobs is not None:
+                new_logprobs = [logprobs]
+                tracked.logprobs.append(logprobs)
             metrics.token_times.append(now)
             metrics.first_token_time = metrics.first_token_time or now
             matched = tracked.detokenizer.add_tokens(new_token_ids)
@@ -157,6 +171,8 @@ class LLMEngine:
             stop_reason=request.stop_reason,
             text_delta=delta,
             new_token_ids=new_token_ids,
+            logprobs=None if tracked.logprobs is None else list(tracked.logprobs),
+            new_logprobs=new_logprobs,
         )
         return RequestOutput(
             request_id=request.request_id,
@@ -172,16 +188,16 @@ class LLMEngine:
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("prompt is empty")
+                raise InvalidRequestError("prompt is empty", "prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError("prompt must be a string or a list of token ids")
+            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
         if not prompt:
-            raise InvalidRequestError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", "prompt")
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+            raise InvalidRequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})", "prompt")
         return None, list(prompt)
 
     def _resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
@@ -189,13 +205,14 @@ class LLMEngine:
         if num_prompt_tokens >= limit:
             raise InvalidRequestError(
                 f"prompt has {num_prompt_tokens} tokens, but max_model_len is {limit} "
-                "(prompt and output must fit, with at least one output token)"
+                "(prompt and output must fit, with at least one output token)", "prompt"
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt_tokens
         if num_prompt_tokens + max_tokens > limit:
             raise InvalidRequestError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({limit}, which the KV pool can hold)"
+                f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({limit}, which the KV pool can hold)",
+                "max_tokens",
             )
         extra_stops = [] if params.ignore_eos else [t for t in self._extra_stop_ids if t not in params.stop_token_ids]
         return dataclasses.replace(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from chunkserve.core.scheduler_output import ForwardMode
+from chunkserve.core.scheduler_output import ForwardMode, TokenLogprobs
 
 
 @dataclass
@@ -16,6 +16,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     text_delta: str = ""  # text added by this step (what a stream sends)
     new_token_ids: list[int] = field(default_factory=list)  # tokens added by this step
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when requested
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # those of new_token_ids
 
 
 @dataclass

@@ -9,7 +9,7 @@ from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
 from chunkserve.worker.input_batch import build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_cache
-from chunkserve.worker.sampler import SamplingState, sample
+from chunkserve.worker.sampler import SamplingState, gather_logprobs, sample
 
 
 class ModelRunner:
@@ -37,10 +37,18 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         states = [self._states[request_id] for request_id in batch.sample_request_ids]
-        tokens = sample(logits, states, self.generator)
+        wants_logprobs = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        raw_logprobs = logits[wants_logprobs].log_softmax(dim=-1) if wants_logprobs else None
+        tokens = sample(logits, states, self.generator)  # modifies logits in place
         for state, token in zip(states, tokens):
             state.token_ids.append(token)
-        return ModelRunnerOutput(sampled_token_ids=dict(zip(batch.sample_request_ids, tokens)))
+        output = ModelRunnerOutput(sampled_token_ids=dict(zip(batch.sample_request_ids, tokens)))
+        if wants_logprobs:
+            records = gather_logprobs(
+                raw_logprobs, [tokens[i] for i in wants_logprobs], [states[i].params.logprobs for i in wants_logprobs]
+            )
+            output.logprobs = {batch.sample_request_ids[i]: r for i, r in zip(wants_logprobs, records)}
+        return output
 
     @staticmethod
     def _new_state(new: NewRequestData) -> SamplingState:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from chunkserve.core.scheduler_output import TokenLogprobs
 from chunkserve.sampling_params import SamplingParams
 
 
@@ -108,3 +109,14 @@ def _exponential_like(probs: torch.Tensor, generators: list[torch.Generator | No
         if generator is not None:
             noise[row].exponential_(generator=generator)
     return noise
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
+    """logprobs: [R, vocab] log-softmax rows -> each sampled token's logprob and row's top-k."""
+    top_values, top_ids = logprobs.topk(max(num_top), dim=-1) if max(num_top) else (None, None)
+    sampled = logprobs.gather(1, torch.tensor(token_ids).unsqueeze(1)).squeeze(1).tolist()
+    records = []
+    for row, (token_id, k) in enumerate(zip(token_ids, num_top)):
+        top = list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist())) if k else []
+        records.append(TokenLogprobs(token_id, sampled[row], top))
+    return records

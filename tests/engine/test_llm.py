@@ -203,3 +203,18 @@ def test_chat_applies_the_template(default_llm):
     output = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)[0]
     assert "Paris" in output.outputs[0].text
     assert output.prompt_token_ids[0] == default_llm.get_tokenizer().convert_tokens_to_ids("<|im_start|>")
+
+
+def test_logprobs_equal_transformers_log_softmax(default_llm, hf_default_model):
+    prompt = chat_prompts(default_llm)[2]
+    output = default_llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=3))[0].outputs[0]
+    tokens = output.token_ids
+    with torch.inference_mode():
+        logits = hf_default_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    expected = logits.log_softmax(dim=-1)
+    assert len(output.logprobs) == len(tokens)
+    for row, (token, record) in enumerate(zip(tokens, output.logprobs)):
+        assert record.token_id == token
+        assert record.logprob == pytest.approx(expected[row, token].item(), abs=1e-3)
+        top_ids = expected[row].topk(3).indices.tolist()
+        assert [t for t, _ in record.top] == top_ids and record.top[0][0] == token
