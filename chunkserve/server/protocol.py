@@ -1,0 +1,159 @@
+"""Request bodies of the HTTP API (OpenAI's and SGLang's field names) and their mapping to
+SamplingParams. Pydantic checks the types; SamplingParams checks the values."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from chunkserve.errors import InvalidRequestError
+from chunkserve.sampling_params import SamplingParams
+
+TokenIds = list[int]
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers do: clients send extras.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Body):
+    """The sampling fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise InvalidRequestError(f"n must be 1 (several choices per prompt are not supported), got {self.n}", "n")
+        given = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        return SamplingParams(
+            max_tokens=max_tokens, seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs, **{name: value for name, value in given.items() if value is not None},
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | TokenIds]:
+        """The prompt field as a list of prompts (a string, strings, token ids or lists of them)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        return list(prompt)
+
+
+class ContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def chat_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.sampling_params(max_tokens, logprobs)
+
+
+class GenerateSamplingParams(_Body):
+    """SGLang's `sampling_params` object."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos, min_tokens=self.min_new_tokens, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            skip_special_tokens=self.skip_special_tokens, seed=self.sampling_seed,
+        )
+
+
+class GenerateRequest(_Body):
+    """SGLang's native /generate body (one prompt per request)."""
+
+    text: str | None = None
+    input_ids: TokenIds | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    stream: bool = False
+    rid: str | None = None
+
+    def prompt(self) -> str | TokenIds:
+        if (self.text is None) == (self.input_ids is None):
+            raise InvalidRequestError("give exactly one of text and input_ids", "text")
+        return self.text if self.text is not None else self.input_ids
+
+
+def error_body(message: str, error_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

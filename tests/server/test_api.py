@@ -1,0 +1,226 @@
+"""The HTTP API through the official openai client and raw HTTP: the same text as the offline
+engine, streaming per token, disconnects, errors, auth, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from chunkserve import SamplingParams
+from tests.server.conftest import API_KEY, MAX_BODY_BYTES
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+
+
+@pytest.fixture(scope="module")
+def model_name(server) -> str:
+    return server.client().get("/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY)
+
+
+def offline_texts(llm, prompts, max_tokens: int) -> list[str]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_completion_equals_the_offline_engine(client, model_name, default_llm):
+    prompt = "The capital of France is"
+    response = client.completions.create(model=model_name, prompt=prompt, max_tokens=12, temperature=0)
+    choice = response.choices[0]
+    assert choice.text == offline_texts(default_llm, [prompt], 12)[0]
+    assert response.usage.prompt_tokens == len(default_llm.get_tokenizer().encode(prompt))
+    assert response.usage.completion_tokens == 12 and choice.finish_reason == "length"
+
+
+def test_completion_prompt_forms_and_echo(client, model_name, default_llm):
+    ids = default_llm.get_tokenizer().encode("Once upon a time")
+    batch = client.completions.create(model=model_name, prompt=["Hello", "Once upon a time"], max_tokens=6,
+                                      temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == offline_texts(default_llm, ["Hello", ids], 6)
+    from_ids = client.completions.create(model=model_name, prompt=[ids, ids[:2]], max_tokens=6, temperature=0)
+    assert [c.text for c in from_ids.choices] == offline_texts(default_llm, [ids, ids[:2]], 6)
+    echoed = client.completions.create(model=model_name, prompt="Hello", max_tokens=4, temperature=0, echo=True)
+    text = echoed.choices[0].text
+    assert text.startswith("Hello") and len(text) > 5 and batch.choices[0].text.startswith(text[5:])
+
+
+def test_streamed_completion_sends_one_chunk_per_token(client, model_name, default_llm):
+    prompt = "Once upon a time"
+    chunks = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    token_chunks = [c for c in chunks if c.choices]
+    assert len(token_chunks) == 10
+    assert "".join(c.choices[0].text for c in token_chunks) == offline_texts(default_llm, [prompt], 10)[0]
+    assert token_chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_equals_the_offline_chat(client, model_name, default_llm):
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    expected = default_llm.chat(messages, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0]
+    response = client.chat.completions.create(model=model_name, messages=messages, max_tokens=20, temperature=0)
+    assert response.choices[0].message.content == expected.outputs[0].text
+    assert "Paris" in response.choices[0].message.content
+    stream = client.chat.completions.create(model=model_name, messages=messages, max_tokens=20, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == expected.outputs[0].finish_reason
+
+
+def test_logprobs_describe_the_sampled_tokens(client, model_name):
+    response = client.completions.create(model=model_name, prompt="1, 2, 3,", max_tokens=5, temperature=0, logprobs=3)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 3 and logprob <= 0
+        assert max(top.values()) == pytest.approx(logprob)  # greedy: the sampled token is the most likely
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(entry.top_logprobs) == 2 for entry in content)
+
+
+def test_sixteen_concurrent_streams_each_get_the_offline_text(server, model_name, default_llm):
+    tokenizer = default_llm.get_tokenizer()
+    story = tokenizer.encode("The lighthouse keeper counted the steps every night and listened to the sea. " * 20)
+    prompts = [story[i : i + n] for i, n in enumerate([3, 9, 20, 33, 47, 64, 80, 101, 130, 150, 170, 200,
+                                                       230, 260, 300, 5])]
+    expected = offline_texts(default_llm, prompts, 16)
+
+    async def stream_one(client: openai.AsyncOpenAI, prompt: list[int]) -> str:
+        stream = await client.completions.create(model=model_name, prompt=prompt, max_tokens=16, temperature=0,
+                                                 stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def run_all() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY) as client:
+            return await asyncio.gather(*(stream_one(client, p) for p in prompts))
+
+    assert asyncio.run(run_all()) == expected
+
+
+def test_sglang_generate(server, default_llm):
+    with server.client() as http:
+        body = http.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 6,
+                                                                                 "temperature": 0}}).json()
+        assert body["text"] == offline_texts(default_llm, ["Hello"], 6)[0]
+        assert body["meta_info"]["completion_tokens"] == len(body["output_ids"]) == 6
+        assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+        with http.stream("POST", "/generate", json={"input_ids": [1, 2, 3], "stream": True,
+                                                    "sampling_params": {"max_new_tokens": 4}}) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) == 5
+    assert len(json.loads(events[-2][6:])["output_ids"]) == 4
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
+    before = server.metrics()
+    aborted_key = "chunkserve:request_success_total{finished_reason=abort}"
+    body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]  # three events with their blank separators
+        assert sum(line.startswith("data: ") for line in received) == 3
+    metrics = server.wait_until(lambda m: m[aborted_key] == before[aborted_key] + 1)
+    assert metrics["chunkserve:kv_cache_free_blocks{}"] == metrics["chunkserve:kv_cache_total_blocks{}"]
+    assert metrics["chunkserve:num_requests_running{}"] == 0
+
+
+def test_metrics_counters_agree_with_what_was_sent(server, client, model_name, default_llm):
+    prompts = ["One", "Two three", "Four five six seven"]
+    before = server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0)
+    for prompt in prompts:
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True})
+    after = server.metrics()
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    prompt_tokens = sum(len(default_llm.get_tokenizer().encode(p)) for p in prompts)
+    assert delta("chunkserve:prompt_tokens_total{}") == prompt_tokens
+    assert delta("chunkserve:generation_tokens_total{}") == 15
+    assert delta("chunkserve:request_success_total{finished_reason=length}") == 3
+    assert delta("chunkserve:time_to_first_token_seconds_count{}") == 3
+    assert delta("chunkserve:inter_token_latency_seconds_count{}") == 12
+    assert delta("chunkserve:e2e_request_latency_seconds_count{}") == 3
+    steps = sum(delta(f"chunkserve:engine_steps_total{{forward_mode={m}}}") for m in ("EXTEND", "MIXED", "DECODE"))
+    assert steps >= 5 and delta("chunkserve:step_decode_batch_size_sum{}") == 12
+    assert after["chunkserve:kv_cache_free_blocks{}"] == after["chunkserve:kv_cache_total_blocks{}"]
+
+
+@pytest.mark.parametrize("path, body, status, message, param", [
+    ("/v1/completions", "{not json", 400, "malformed JSON", None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens: Input should be a valid integer",
+     "max_tokens"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt", "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 400, "model 'gpt-4' does not exist", "model"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt is empty", "prompt"),
+    ("/v1/completions", {"prompt": "hi " * 6000}, 400, r"prompt has \d+ tokens, but max_model_len is \d+", "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, r"exceeds max_model_len \(\d+", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be at least 1", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, r"top_p must be in \(0, 1\]", "top_p"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature must be non-negative", "temperature"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, r"logprobs must be in \[0, 20\]", "logprobs"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages is empty", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}], "top_p": 0}, 400, "top_p", "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role",
+     "messages"),
+    ("/generate", {"sampling_params": {}}, 400, "exactly one of text and input_ids", "text"),
+    ("/generate", {"input_ids": [10**9]}, 400, "out of range", "prompt"),
+])
+def test_bad_input_gets_400_with_an_openai_error_body(server, path, body, status, message, param):
+    with server.client() as http:
+        content = body if isinstance(body, str) else json.dumps(body)
+        response = http.post(path, content=content)
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["param"] == param and error["code"] == status and error["type"] == "invalid_request_error"
+        assert re.search(message, error["message"]), error["message"]
+        assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 1}).status_code == 200
+
+
+def test_the_openai_client_sees_bad_requests_as_bad_request_errors(client, model_name):
+    with pytest.raises(openai.BadRequestError, match="top_p must be in"):
+        client.completions.create(model=model_name, prompt="hi", top_p=2.0)
+
+
+def test_oversized_body_gets_413(server):
+    with server.client() as http:
+        response = http.post("/v1/completions", json={"prompt": "x" * (MAX_BODY_BYTES + 1)})
+    assert response.status_code == 413 and "larger than the limit" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("method, path", [
+    ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/generate"),
+    ("GET", "/metrics"), ("GET", "/version"),
+])
+def test_every_endpoint_but_health_needs_the_api_key(server, method, path):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.request(method, server.base_url + path, headers=headers, json={"prompt": "hi"})
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_models_version_and_health(server, model_name):
+    with server.client() as http:
+        models = http.get("/v1/models").json()
+        assert models["object"] == "list" and models["data"][0]["max_model_len"] > 0
+        assert model_name.startswith("SmolLM2-135M-Instruct")
+        assert http.get("/version").json()["version"]
+        assert http.get("/health").status_code == 200
+        assert http.get("/no-such-route").json()["error"]["code"] == 404
