@@ -71,6 +71,8 @@ class SamplingParams:
             fail("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids must be non-negative integers")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            fail(f"seed must fit in 64 bits, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 

@@ -19,7 +19,7 @@ from chunkserve.config import EngineArgs
 from chunkserve.core.scheduler_output import SchedulerStats
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.engine.outputs import RequestOutput, StepRecord
-from chunkserve.errors import EngineDeadError, InvalidRequestError, ServerOverloadedError
+from chunkserve.errors import EngineDeadError, ServerOverloadedError
 from chunkserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,11 @@ class AsyncLLM:
                         command.done.set()
                         return
                     self._apply(command)
-                self._step()
+                try:
+                    self._step()
+                except Exception as error:  # a bug this batch hit: fail its requests, keep serving
+                    logger.exception("engine step failed; aborting every request in flight")
+                    self._fail_all(RuntimeError(f"the engine step failed ({error!r}); the request was aborted"))
         except BaseException as error:  # a bug in the engine: fail every caller, never hang them
             logger.exception("engine loop died")
             for loop, outputs in self._streams.values():
@@ -179,7 +183,7 @@ class AsyncLLM:
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise ServerOverloadedError(f"{waiting} requests are already waiting; retry later")
             self.engine.add_request(command.request_id, command.prompt, command.params, command.priority)
-        except (InvalidRequestError, ServerOverloadedError) as error:
+        except Exception as error:  # refused (InvalidRequestError, ServerOverloadedError) or a bug: tell the caller
             command.loop.call_soon_threadsafe(_settle, command.accepted, error)
             return
         self._streams[command.request_id] = (command.loop, command.outputs)
@@ -196,6 +200,13 @@ class AsyncLLM:
         outputs = self.engine.step()
         self._deliver(outputs)
         self._notify(self.engine.last_step_record, outputs)
+
+    def _fail_all(self, error: Exception) -> None:
+        streams, self._streams = self._streams, {}
+        outputs = self.engine.abort_request(list(streams))
+        for loop, outputs_queue in streams.values():
+            loop.call_soon_threadsafe(outputs_queue.put_nowait, error)
+        self._notify(None, outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -214,6 +214,9 @@ class LLMEngine:
                 f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({limit}, which the KV pool can hold)",
                 "max_tokens",
             )
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
         extra_stops = [] if params.ignore_eos else [t for t in self._extra_stop_ids if t not in params.stop_token_ids]
         return dataclasses.replace(
             params, max_tokens=max_tokens, stop_token_ids=params.stop_token_ids + extra_stops
