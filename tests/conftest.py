@@ -68,3 +68,13 @@ def default_llm():
     from chunkserve import LLM
 
     return LLM(max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The real server (subprocess) with a mid-sized budget, shared by HTTP tests."""
+    from tests.server_process import start_server, stop_server
+
+    started = start_server(tmp_path_factory, "--max-num-batched-tokens", "64", "--max-num-seqs", "32", name="server")
+    yield started
+    stop_server(started)

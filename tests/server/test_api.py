@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from chunkserve import SamplingParams
-from tests.server.conftest import API_KEY, MAX_BODY_BYTES
+from tests.server_process import API_KEY, MAX_BODY_BYTES
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 

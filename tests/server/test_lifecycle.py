@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from tests.server.conftest import start_server, stop_server
+from tests.server_process import start_server, stop_server
 
 LONG = {"prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
 

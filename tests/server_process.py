@@ -1,4 +1,4 @@
-"""The real server in a subprocess on a free port, shared by the server tests."""
+"""The real server in a subprocess on a free port (the `server` fixture in conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key"
@@ -82,10 +80,3 @@ def stop_server(server: Server) -> None:
     if server.process.poll() is None:
         server.process.kill()
         server.process.wait()
-
-
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> Iterator[Server]:
-    started = start_server(tmp_path_factory, "--max-num-batched-tokens", "64", "--max-num-seqs", "32", name="server")
-    yield started
-    stop_server(started)
