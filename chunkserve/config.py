@@ -153,6 +153,7 @@ class ServerArgs(CliArgs):
         10.0, "on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted"
     )
     log_level: str = _arg("info", "server log level", choices=("debug", "info", "warning", "error"))
+    trace_steps: str | None = _arg(None, "append one JSON line per engine step to this file")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

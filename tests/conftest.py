@@ -75,6 +75,9 @@ def server(tmp_path_factory):
     """The real server (subprocess) with a mid-sized budget, shared by HTTP tests."""
     from tests.server_process import start_server, stop_server
 
-    started = start_server(tmp_path_factory, "--max-num-batched-tokens", "64", "--max-num-seqs", "32", name="server")
+    trace_path = str(tmp_path_factory.mktemp("trace") / "steps.jsonl")
+    started = start_server(tmp_path_factory, "--max-num-batched-tokens", "64", "--max-num-seqs", "32",
+                           "--trace-steps", trace_path, name="server")
+    started.trace_path = trace_path
     yield started
     stop_server(started)

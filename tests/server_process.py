@@ -21,6 +21,7 @@ class Server:
     process: subprocess.Popen
     base_url: str
     log_path: str
+    trace_path: str | None = None  # the --trace-steps file, when the server writes one
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from chunkserve.core.scheduler_output import ForwardMode, TokenLogprobs
@@ -53,3 +54,7 @@ class StepRecord:
     num_requests: int
     num_preemptions: int
     kv_cache_usage: float  # fraction of KV blocks in use after the step
+
+    def to_dict(self) -> dict:
+        """One line of a step trace (JSON-ready)."""
+        return {**dataclasses.asdict(self), "forward_mode": self.forward_mode.value}

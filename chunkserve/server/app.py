@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -30,6 +31,7 @@ from chunkserve.server.metrics import EngineMetrics
 from chunkserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from chunkserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
 from chunkserve.server.serving import Serving
+from chunkserve.server.trace import StepTraceWriter
 
 logger = logging.getLogger(__name__)
 MAX_VALIDATION_ERRORS = 3
@@ -81,6 +83,13 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/debug/steps")
+    async def debug_steps(last: int = 100):
+        if last < 1:
+            raise InvalidRequestError(f"last must be at least 1, got {last}", "last")
+        records = list(engine.engine.step_records)[-last:]  # list() of a deque is atomic under the GIL
+        return {"steps": [record.to_dict() for record in records]}
+
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
     api_key = args.api_key or os.environ.get("CHUNKSERVE_API_KEY")
     if api_key:
@@ -98,8 +107,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def invalid_request(_: Request, error: InvalidRequestError):
         return _error(400, str(error), "invalid_request_error", error.param)
 
-    @app.exception_handler(ValidationError)
-    async def malformed_body(_: Request, error: ValidationError):
+    @app.exception_handler(ValidationError)  # a body (parsed in the route)
+    @app.exception_handler(RequestValidationError)  # query parameters (parsed by FastAPI)
+    async def malformed_input(_: Request, error: ValidationError | RequestValidationError):
         message, param = _describe_validation_error(error)
         return _error(400, message, "invalid_request_error", param)
 
@@ -122,20 +132,20 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(500, f"internal error: {error!r}", "internal_error")
 
 
-def _describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
+def _describe_validation_error(error: ValidationError | RequestValidationError) -> tuple[str, str | None]:
     """Pydantic's errors -> one readable message and the first offending field."""
     parts, param = [], None
     for item in error.errors():
         if item["type"] == "json_invalid":
             return f"malformed JSON: {item.get('ctx', {}).get('error', item['msg'])}", None
-        location = [str(p) for p in item["loc"]]
+        location = [str(p) for p in item["loc"] if p not in ("body", "query")]
         field = location[0] if location else None
         param = param or field
         text = f"{'.'.join(location) or 'body'}: {item['msg']}"
         if text not in parts:
             parts.append(text)
     shown = "; ".join(parts[:MAX_VALIDATION_ERRORS]) + ("; ..." if len(parts) > MAX_VALIDATION_ERRORS else "")
-    return f"invalid request body: {shown}", param
+    return f"invalid request: {shown}", param
 
 
 class _GracefulServer(uvicorn.Server):
@@ -161,6 +171,9 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     model_name = server_args.served_model_name or engine.engine.source.name
     metrics = EngineMetrics(model_name)
     engine.observers.append(metrics.observe)
+    trace = StepTraceWriter(server_args.trace_steps) if server_args.trace_steps else None
+    if trace is not None:
+        engine.observers.append(trace.observe)
     app = build_app(engine, metrics, model_name, server_args)
     config = uvicorn.Config(
         app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
@@ -176,4 +189,6 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         _GracefulServer(config, engine, server_args.shutdown_timeout).run()
     finally:
         engine.shutdown()
+        if trace is not None:
+            trace.close()
     logger.info("server stopped")

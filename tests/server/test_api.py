@@ -229,3 +229,21 @@ def test_models_version_and_health(server, model_name):
         assert http.get("/version").json()["version"]
         assert http.get("/health").status_code == 200
         assert http.get("/no-such-route").json()["error"]["code"] == 404
+
+
+def test_step_trace_file_and_debug_endpoint_agree(server, client, model_name):
+    client.completions.create(model=model_name, prompt="Count to ten:", max_tokens=6, extra_body={"ignore_eos": True})
+    server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0)
+    with server.client() as http:
+        steps = http.get("/debug/steps", params={"last": 5}).json()["steps"]
+        assert http.get("/debug/steps", params={"last": "many"}).status_code == 400
+    assert len(steps) == 5 and steps[-1]["forward_mode"] == "DECODE"
+    assert set(steps[0]) == {"step_id", "start_time", "duration_s", "forward_mode", "num_prefill_tokens",
+                             "num_decode_tokens", "num_requests", "num_preemptions", "kv_cache_usage"}
+    with open(server.trace_path) as f:
+        traced = [json.loads(line) for line in f]
+    assert traced[-5:] == steps
+    assert [s["step_id"] for s in traced] == list(range(len(traced)))  # every step, in order
+    total = server.metrics()
+    steps_total = sum(total[f"chunkserve:engine_steps_total{{forward_mode={m}}}"] for m in ("EXTEND", "MIXED", "DECODE"))
+    assert len(traced) == steps_total
