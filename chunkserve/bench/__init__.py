@@ -1,0 +1,1 @@
+"""Benchmark clients that measure a running server from the outside, over HTTP."""
