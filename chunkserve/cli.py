@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
 from chunkserve.config import EngineArgs, ServerArgs
 from chunkserve.errors import InvalidRequestError, ModelLoadError
+
+
+BENCH_COMMANDS = {
+    "serve": "load a server with a workload; latency percentiles, throughput, goodput",
+    "plot": "figures from bench results and step traces",
+    "sweep": "run server configurations through the same workloads; one summary table",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     ServerArgs.add_cli_args(serve)
     EngineArgs.add_cli_args(serve)
+    bench = commands.add_parser("bench", help="benchmark OpenAI-compatible servers, plot and sweep")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    for name, text in BENCH_COMMANDS.items():
+        module = importlib.import_module(f"chunkserve.bench.{name}")
+        command = bench_commands.add_parser(name, help=text, description=module.__doc__.split("\n", 1)[0])
+        module.add_arguments(command)
+        command.set_defaults(bench_main=module.main)
     return parser
 
 
@@ -52,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
             from chunkserve.server.app import run_server
 
             run_server(EngineArgs.from_cli_args(args), ServerArgs.from_cli_args(args))
+        elif args.command == "bench":
+            args.bench_main(args)
     except (InvalidRequestError, ModelLoadError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,98 @@
+"""`chunkserve bench serve` end to end against the real server (the session `server` fixture)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from chunkserve import cli
+from chunkserve.bench.serve import add_arguments, format_table, run_benchmark
+from tests.server_process import API_KEY
+
+TOP_LEVEL_KEYS = {"label", "workload", "config", "base_url", "model", "bench_start", "summary", "interference",
+                  "requests"}
+
+
+def bench_args(server, *flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--base-url", server.base_url, *flags])
+
+
+def test_random_workload_result_file(server, tmp_path):
+    path = tmp_path / "random.json"
+    returned = run_benchmark(bench_args(server, "--num-prompts", "6", "--input-len", "32", "--output-len", "8",
+                                        "--api-key", API_KEY, "--result-file", str(path)))
+    result = json.loads(path.read_text())
+    assert result == returned
+    assert set(result) == TOP_LEVEL_KEYS
+    assert result["label"] == "random" and result["interference"] is None
+    assert result["model"] == server.client().get("/v1/models").json()["data"][0]["id"]
+    assert "api_key" not in result["config"] and result["config"]["request_rate"] == "inf"
+    requests, summary = result["requests"], result["summary"]
+    assert len(requests) == 6 and all(r["ok"] and r["error"] is None for r in requests)
+    assert all(r["completion_tokens"] == 8 and len(r["token_times"]) == 8 for r in requests)
+    assert all(r["prompt_len"] == 32 for r in requests)
+    assert summary["tbt_ms"]["count"] == sum(len(r["token_times"]) - 1 for r in requests)
+    assert summary["ttft_ms"]["count"] == 6 and summary["ttft_ms"]["p50"] > 0
+    assert all(r["send_time"] < r["token_times"][0] <= r["token_times"][-1] <= r["end_time"] for r in requests)
+    assert (summary["completed"], summary["failed"]) == (6, 0)
+    assert summary["completed"] / summary["duration_s"] == pytest.approx(summary["request_throughput"])
+    assert summary["output_token_throughput"] == pytest.approx(48 / summary["duration_s"])
+    assert summary["goodput"] == pytest.approx(summary["request_throughput"])
+    assert "TTFT" in format_table(result)
+
+
+def test_interference_workload_fills_its_block_and_plots(server, tmp_path):
+    result_path = tmp_path / "interference.json"
+    result = run_benchmark(bench_args(
+        server, "--workload", "interference", "--streams", "2", "--stream-input-len", "16",
+        "--stream-output-len", "12", "--long-prompts", "1", "--long-len", "200", "--long-start", "0.2",
+        "--long-output-len", "2", "--api-key", API_KEY, "--label", "interference-test",
+        "--result-file", str(result_path)))
+    assert result["label"] == "interference-test"
+    requests, block = result["requests"], result["interference"]
+    assert all(r["ok"] for r in requests)
+    assert [r["kind"] for r in requests] == ["stream", "stream", "long"]
+    long = requests[2]
+    assert block["long_send_times"] == [long["send_time"]]
+    assert long["send_time"] - result["bench_start"] >= 0.2
+    assert block["window"] == [long["send_time"], long["token_times"][0]]
+    assert block["long_ttft_ms"]["count"] == 1
+    assert block["long_ttft_ms"]["max"] == pytest.approx(1000 * (long["token_times"][0] - long["send_time"]))
+    assert block["stream_tbt_ms"]["count"] == 2 * 11
+    assert 0 < block["tbt_during_long_ms"]["count"] <= 2 * 11
+    assert "TBT during long" in format_table(result)
+    assert_plots(server, result_path, tmp_path)
+
+
+def assert_plots(server, result_path, tmp_path) -> None:
+    """`chunkserve bench plot` on the run's result and the server's steps during it: non-empty PNGs."""
+    bench_start = json.loads(result_path.read_text())["bench_start"]
+    with server.client() as http:
+        steps = http.get("/debug/steps", params={"last": 1000}).json()["steps"]
+    trace_path = tmp_path / "run.jsonl"
+    trace_path.write_text("".join(json.dumps(s) + "\n" for s in steps if s["start_time"] >= bench_start))
+    out_dir = tmp_path / "figures"
+    cli.main(["bench", "plot", str(result_path), "--trace", str(trace_path), "-o", str(out_dir)])
+    pngs = {path.name: path.read_bytes() for path in out_dir.iterdir()}
+    assert set(pngs) == {"steps_run.png", "timeline.png", "tbt_cdf.png"}
+    assert all(data.startswith(b"\x89PNG") and len(data) > 10_000 for data in pngs.values())
+
+
+def test_failed_requests_are_recorded_not_raised(server):
+    result = run_benchmark(bench_args(server, "--num-prompts", "2", "--input-len", "8", "--output-len", "2",
+                                      "--model", "any", "--api-key", "wrong-key"))
+    assert all(not r["ok"] and r["error"].startswith("HTTP 401") for r in result["requests"])
+    assert (result["summary"]["completed"], result["summary"]["failed"]) == (0, 2)
+    assert result["summary"]["ttft_ms"]["count"] == 0 and result["summary"]["goodput"] == 0.0
+
+
+def test_max_concurrency_one_sends_each_request_after_the_previous_ends(server):
+    result = run_benchmark(bench_args(server, "--num-prompts", "3", "--input-len", "8", "--output-len", "2",
+                                      "--max-concurrency", "1", "--api-key", API_KEY))
+    requests = sorted(result["requests"], key=lambda r: r["send_time"])
+    assert all(r["ok"] for r in requests)
+    assert all(later["send_time"] >= earlier["end_time"] for earlier, later in zip(requests, requests[1:]))
