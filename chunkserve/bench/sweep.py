@@ -9,7 +9,8 @@ every result file (and ours' step traces) in the output folder.
 Capacity is Sarathi-Serve's metric: the highest request rate whose P99 TBT stays under
 the SLO. It is found by bisection over `[min_rate, max_rate]`: each probe runs the
 capacity workload at one rate; `probes` probes narrow the interval, and the reported
-capacity is the highest rate that passed (0 if none did).
+capacity is the highest rate that passed (0 if none did). Each probe draws new prompts (its own
+seed), so a server's prefix cache cannot make a later probe cheaper.
 
 The config file (YAML):
 
@@ -51,6 +52,7 @@ import httpx
 from chunkserve.bench import serve as bench_serve
 
 HEALTH_POLL_S = 0.5
+CAPACITY_SEED = 1000
 
 
 @dataclass
@@ -103,13 +105,23 @@ def main(args: argparse.Namespace) -> None:
     sweep = SweepConfig.load(args.config)
     configs = [c for c in sweep.configs if not args.only or c.label in args.only]
     os.makedirs(sweep.out_dir, exist_ok=True)
-    rows = [run_config(sweep, config) for config in configs]
+    rows = [run_config_or_report(sweep, config) for config in configs]
     table = summary_table(rows)
     print(table)
     with open(os.path.join(sweep.out_dir, "summary.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(sweep.out_dir, "summary.json"), "w") as f:
         json.dump(rows, f, indent=2)
+
+
+def run_config_or_report(sweep: SweepConfig, config: ServerConfig) -> dict[str, Any]:
+    """``run_config``, or a row that says why it failed (a peer not installed, a server that
+    crashed): one configuration's failure must not lose the others' results."""
+    try:
+        return run_config(sweep, config)
+    except (OSError, RuntimeError, httpx.HTTPError) as error:
+        log(f"{config.label}: FAILED: {type(error).__name__}: {error}")
+        return {"config": config.label, "error": f"{type(error).__name__}: {error}"}
 
 
 def run_config(sweep: SweepConfig, config: ServerConfig) -> dict[str, Any]:
@@ -161,6 +173,9 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         cells = [fmt.format(row[key]) if row.get(key) is not None else "-" for key, _, fmt in SUMMARY_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
+    failures = [f"- {row['config']}: {row['error']}" for row in rows if row.get("error")]
+    if failures:
+        lines += ["", "Failed configurations:", *failures]
     return "\n".join(lines)
 
 
@@ -179,8 +194,10 @@ def _capacity(base_url: str, config: ServerConfig, sweep: SweepConfig) -> float:
     best = 0.0
     for probe in range(int(spec.get("probes", 4))):
         rate = high if probe == 0 else (low + high) / 2
-        result = _bench(base_url, config, [*spec["args"], "--request-rate", str(rate)],
-                        f"{config.label} @ {rate:.2f} req/s", None)
+        # A new seed per probe: servers with a prefix or prompt cache must not reuse an earlier probe's prompts.
+        flags = [*spec["args"], "--request-rate", str(rate), "--seed", str(CAPACITY_SEED + probe)]
+        result = _bench(base_url, config, flags, f"{config.label} @ {rate:.2f} req/s",
+                        os.path.join(sweep.out_dir, f"{config.slug}.capacity-{rate:.2f}.json") if sweep.out_dir else None)
         p99 = result["summary"]["tbt_ms"]["p99"]
         passed = result["summary"]["failed"] == 0 and p99 is not None and p99 <= slo
         log(f"{config.label}: capacity probe {rate:.2f} req/s: TBT p99 {p99} ms -> {'pass' if passed else 'fail'}")

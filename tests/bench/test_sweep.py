@@ -25,11 +25,12 @@ def test_the_shipped_sweep_has_every_configuration_the_study_needs():
 @pytest.mark.parametrize("true_capacity, expected", [(10.0, 4.0), (2.6, 2.25), (1.0, 0.9375), (0.1, 0.0)])
 def test_capacity_is_the_highest_passing_rate_found_by_bisection(monkeypatch, true_capacity, expected):
     """A fake server whose P99 TBT exceeds the SLO exactly above `true_capacity` req/s."""
-    probed = []
+    probed, seeds = [], []
 
     def fake_bench(base_url, config, flags, label, result_file):
         rate = float(flags[flags.index("--request-rate") + 1])
         probed.append(rate)
+        seeds.append(flags[flags.index("--seed") + 1])
         p99 = 100.0 if rate <= true_capacity else 900.0
         return {"summary": {"failed": 0, "tbt_ms": {"p99": p99}}}
 
@@ -38,6 +39,7 @@ def test_capacity_is_the_highest_passing_rate_found_by_bisection(monkeypatch, tr
     config = SweepConfig(out_dir="", port=0, server_args=[], configs=[], workloads={}, capacity=spec)
     assert sweep._capacity("http://x", ServerConfig("fake"), config) == expected
     assert probed[0] == 4.0 and len(probed) == (1 if true_capacity >= 4 else 4)
+    assert len(set(seeds)) == len(seeds)  # fresh prompts for every probe
 
 
 def test_summary_rows_and_table():
@@ -50,9 +52,10 @@ def test_summary_rows_and_table():
     row = sweep.summary_row("chunked 256", results, capacity=1.5)
     assert row == {"config": "chunked 256", "capacity_rps": 1.5, "long_ttft_p50_s": 3.0, "tbt_p50_ms": 80.0,
                    "tbt_p99_ms": 400.0, "tbt_max_ms": 900.0, "short_ttft_p50_ms": 1200.0, "output_tok_s": 150.0}
-    table = sweep.summary_table([row, {"config": "empty"}])
+    table = sweep.summary_table([row, {"config": "peer", "error": "FileNotFoundError: start.sh"}])
     assert "| chunked 256 | 3.00 | 1200 | 80 | 400 | 900 | 150.0 | 1.50 |" in table
-    assert "| empty | - | - | - | - | - | - | - |" in table
+    assert "| peer | - | - | - | - | - | - | - |" in table
+    assert table.endswith("Failed configurations:\n- peer: FileNotFoundError: start.sh")
 
 
 def test_a_real_sweep_of_one_configuration(tmp_path):
@@ -60,14 +63,16 @@ def test_a_real_sweep_of_one_configuration(tmp_path):
     out_dir = tmp_path / "out"
     config_file.write_text(json.dumps({  # JSON is YAML
         "out_dir": str(out_dir), "port": sweep_port(), "server_args": ["--kv-cache-memory-gb", "0.1"],
-        "configs": [{"label": "chunked 64", "args": ["--max-num-batched-tokens", "64"]}],
+        "configs": [{"label": "chunked 64", "args": ["--max-num-batched-tokens", "64"]},
+                    {"label": "not installed", "command": [str(tmp_path / "no-such-server.sh"), "{port}"]}],
         "workloads": {"throughput": ["--workload", "random", "--num-prompts", "4", "--input-len", "40",
                                      "--output-len", "6"]},
     }))
     parser = argparse.ArgumentParser()
     sweep.add_arguments(parser)
     sweep.main(parser.parse_args(["--config", str(config_file)]))
-    (row,) = json.loads((out_dir / "summary.json").read_text())
+    row, missing = json.loads((out_dir / "summary.json").read_text())
+    assert missing["config"] == "not installed" and "no-such-server.sh" in missing["error"]
     assert row["config"] == "chunked 64" and row["output_tok_s"] > 0 and row["capacity_rps"] is None
     result = json.loads((out_dir / "chunked-64.throughput.json").read_text())
     assert result["summary"]["completed"] == 4
