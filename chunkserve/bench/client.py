@@ -96,12 +96,21 @@ async def read_events(response: httpx.Response, result: RequestResult) -> None:
         if event.get("error"):
             result.error = f"stream error: {json.dumps(event['error'])[:ERROR_TEXT_LIMIT]}"
             return
-        if event.get("choices"):
+        if event.get("choices") and not is_terminator(event, result):
             result.token_times.append(now)
             result.completion_tokens = len(result.token_times)
         if event.get("usage"):
             usage_tokens = event["usage"].get("completion_tokens")
     result.error = "the stream ended without [DONE]"
+
+
+def is_terminator(event: dict, result: RequestResult) -> bool:
+    """An event that only closes the stream, carrying no token: empty text and a finish reason
+    after every requested token came (llama.cpp's server sends one; vLLM and chunkserve put the
+    finish reason on the last token's event). Counting it would add a fake near-zero TBT gap."""
+    choice = event["choices"][0]
+    return (not choice.get("text") and choice.get("finish_reason") is not None
+            and len(result.token_times) >= result.output_len)
 
 
 async def run_requests(specs: list[RequestSpec], base_url: str, model: str | None, api_key: str | None,
