@@ -21,8 +21,8 @@ The config file (YAML):
       - {label: chunking off, args: [--no-enable-chunked-prefill]}
       - {label: chunked 256, args: [--max-num-batched-tokens, "256"]}
       - label: vLLM 256                        # a peer: any command; {port} is substituted
-        command: [/work/peers/start_vllm.sh, "{port}", --max-num-batched-tokens, "256"]
-        model: smollm2
+        command: [benchmarks/peers/start_vllm.sh, "{port}", --max-num-batched-tokens, "256"]
+        model: SmolLM2-135M-Instruct
         startup_timeout_s: 300
     workloads:                                 # name -> `bench serve` flags
       interference: [--workload, interference, --streams, "8"]

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Start llama.cpp's llama-server (built by setup.sh) on 127.0.0.1:PORT with the default model:
+# the F16 GGUF, or the F32 one with LLAMA_GGUF=f32 (LLAMA_GGUF may also be a .gguf path).
+# Extra arguments go to llama-server, e.g. -b 256 -ub 256.
+#
+#   benchmarks/peers/start_llama_server.sh PORT [extra llama-server args...]
+#
+# 16 slots sharing one 16384-token KV cache (-kvu: without it each slot gets only 1024 tokens
+# and a 2048-token prompt is refused). It execs the server, so a SIGTERM stops it.
+set -euo pipefail
+if [[ $# -lt 1 ]]; then
+    echo "usage: $0 PORT [extra llama-server args...]" >&2; exit 2
+fi
+PORT=$1; shift
+PEERS_DIR=${PEERS_DIR:-/work/peers}
+SERVER=$PEERS_DIR/llama.cpp/build/bin/llama-server
+case ${LLAMA_GGUF:-f16} in
+    f16|F16) GGUF=$PEERS_DIR/smollm2-f16.gguf ;;
+    f32|F32) GGUF=$PEERS_DIR/smollm2-f32.gguf ;;
+    *) GGUF=$LLAMA_GGUF ;;
+esac
+[[ -x $SERVER ]] || { echo "no llama-server at $SERVER: run benchmarks/peers/setup.sh" >&2; exit 1; }
+[[ -f $GGUF ]] || { echo "no GGUF at $GGUF: run benchmarks/peers/setup.sh" >&2; exit 1; }
+
+exec "$SERVER" -m "$GGUF" -a SmolLM2-135M-Instruct \
+    -c 16384 -np 16 -t "${LLAMA_THREADS:-2}" -kvu --host 127.0.0.1 --port "$PORT" "$@"
