@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
 
             run_server(EngineArgs.from_cli_args(args), ServerArgs.from_cli_args(args))
         elif args.command == "bench":
+            logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
             args.bench_main(args)
     except (InvalidRequestError, ModelLoadError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -7,7 +7,10 @@ OpenAI-compatible server, e.g. a peer), waits for /health, runs the workloads wi
 every result file (and ours' step traces) in the output folder.
 
 Capacity is Sarathi-Serve's metric: the highest request rate whose P99 TBT stays under
-the SLO. It is found by bisection over `[min_rate, max_rate]`: each probe runs the
+the SLO while the server keeps up. TBT alone cannot see overload (a request waiting in the
+queue has no tokens yet), so, as Sarathi-Serve bounds the median scheduling delay, a probe
+also fails when the median TTFT exceeds `max_median_ttft_s` (TTFT is the closest the client
+sees: the queueing delay plus the prompt's own prefill). It is found by bisection over `[min_rate, max_rate]`: each probe runs the
 capacity workload at one rate; `probes` probes narrow the interval, and the reported
 capacity is the highest rate that passed (0 if none did). Each probe draws new prompts (its own
 seed), so a server's prefix cache cannot make a later probe cheaper.
@@ -29,6 +32,7 @@ The config file (YAML):
       throughput: [--workload, random, --num-prompts, "32", --input-len, "256", --output-len, "64"]
     capacity:                                  # optional
       slo_tbt_ms: 500
+      max_median_ttft_s: 2                     # optional
       min_rate: 0.25
       max_rate: 4
       probes: 4
@@ -191,6 +195,7 @@ def _bench(base_url: str, config: ServerConfig, flags: list[str], label: str, re
 def _capacity(base_url: str, config: ServerConfig, sweep: SweepConfig) -> float:
     spec = sweep.capacity
     low, high, slo = float(spec["min_rate"]), float(spec["max_rate"]), float(spec["slo_tbt_ms"])
+    max_ttft_ms = 1000.0 * float(spec["max_median_ttft_s"]) if spec.get("max_median_ttft_s") else None
     best = 0.0
     for probe in range(int(spec.get("probes", 4))):
         rate = high if probe == 0 else (low + high) / 2
@@ -198,9 +203,12 @@ def _capacity(base_url: str, config: ServerConfig, sweep: SweepConfig) -> float:
         flags = [*spec["args"], "--request-rate", str(rate), "--seed", str(CAPACITY_SEED + probe)]
         result = _bench(base_url, config, flags, f"{config.label} @ {rate:.2f} req/s",
                         os.path.join(sweep.out_dir, f"{config.slug}.capacity-{rate:.2f}.json") if sweep.out_dir else None)
-        p99 = result["summary"]["tbt_ms"]["p99"]
-        passed = result["summary"]["failed"] == 0 and p99 is not None and p99 <= slo
-        log(f"{config.label}: capacity probe {rate:.2f} req/s: TBT p99 {p99} ms -> {'pass' if passed else 'fail'}")
+        summary = result["summary"]
+        p99, ttft_p50 = summary["tbt_ms"]["p99"], summary["ttft_ms"]["p50"]
+        passed = (summary["failed"] == 0 and p99 is not None and p99 <= slo
+                  and (max_ttft_ms is None or ttft_p50 <= max_ttft_ms))
+        log(f"{config.label}: capacity probe {rate:.2f} req/s: TBT p99 {_fmt(p99)} ms, TTFT p50 "
+            f"{_fmt(ttft_p50)} ms -> {'pass' if passed else 'fail'}")
         if passed:
             best = max(best, rate)
             if probe == 0:
@@ -254,6 +262,10 @@ def _wait_healthy(base_url: str, timeout_s: float, server: _server) -> None:
             pass
         time.sleep(HEALTH_POLL_S)
     raise RuntimeError(f"{base_url} did not become healthy within {timeout_s:.0f} s")
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def _ms_to_s(value: float | None) -> float | None:

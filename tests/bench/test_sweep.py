@@ -32,7 +32,7 @@ def test_capacity_is_the_highest_passing_rate_found_by_bisection(monkeypatch, tr
         probed.append(rate)
         seeds.append(flags[flags.index("--seed") + 1])
         p99 = 100.0 if rate <= true_capacity else 900.0
-        return {"summary": {"failed": 0, "tbt_ms": {"p99": p99}}}
+        return {"summary": {"failed": 0, "tbt_ms": {"p99": p99}, "ttft_ms": {"p50": 300.0}}}
 
     monkeypatch.setattr(sweep, "_bench", fake_bench)
     spec = {"slo_tbt_ms": 500, "min_rate": 0.5, "max_rate": 4, "probes": 4, "args": []}
@@ -40,6 +40,20 @@ def test_capacity_is_the_highest_passing_rate_found_by_bisection(monkeypatch, tr
     assert sweep._capacity("http://x", ServerConfig("fake"), config) == expected
     assert probed[0] == 4.0 and len(probed) == (1 if true_capacity >= 4 else 4)
     assert len(set(seeds)) == len(seeds)  # fresh prompts for every probe
+
+
+def test_a_probe_whose_median_ttft_exceeds_the_bound_fails(monkeypatch):
+    """Overload shows in the queue, not in TBT: above 1.5 req/s the median TTFT grows past 2 s."""
+    def fake_bench(base_url, config, flags, label, result_file):
+        rate = float(flags[flags.index("--request-rate") + 1])
+        return {"summary": {"failed": 0, "tbt_ms": {"p99": 100.0}, "ttft_ms": {"p50": 500.0 if rate <= 1.5 else 9000.0}}}
+
+    monkeypatch.setattr(sweep, "_bench", fake_bench)
+    spec = {"slo_tbt_ms": 500, "max_median_ttft_s": 2, "min_rate": 0.5, "max_rate": 4, "probes": 4, "args": []}
+    config = SweepConfig(out_dir="", port=0, server_args=[], configs=[], workloads={}, capacity=spec)
+    assert sweep._capacity("http://x", ServerConfig("fake"), config) == 1.375  # 4, 2.25 fail; 1.375 passes; 1.8125 fails
+    assert sweep._capacity("http://x", ServerConfig("fake"), SweepConfig(
+        out_dir="", port=0, server_args=[], configs=[], workloads={}, capacity={**spec, "max_median_ttft_s": None})) == 4
 
 
 def test_summary_rows_and_table():
