@@ -10,10 +10,14 @@ Capacity is Sarathi-Serve's metric: the highest request rate whose P99 TBT stays
 the SLO while the server keeps up. TBT alone cannot see overload (a request waiting in the
 queue has no tokens yet), so, as Sarathi-Serve bounds the median scheduling delay, a probe
 also fails when the median TTFT exceeds `max_median_ttft_s` (TTFT is the closest the client
-sees: the queueing delay plus the prompt's own prefill). It is found by bisection over `[min_rate, max_rate]`: each probe runs the
-capacity workload at one rate; `probes` probes narrow the interval, and the reported
-capacity is the highest rate that passed (0 if none did). Each probe draws new prompts (its own
+sees: the queueing delay plus the prompt's own prefill). It is found by bisection over
+`[min_rate, max_rate]`: each probe runs the capacity workload at one rate, `probes` probes
+narrow the interval, and the capacity is the highest probed rate that passed ("< r" in the
+table when even the lowest probed rate r failed). Each probe draws new prompts (its own
 seed), so a server's prefix cache cannot make a later probe cheaper.
+
+The tables are built from the result files, so `--summarize-only` rebuilds them without
+running anything, e.g. to judge the same probes against another SLO (`--slo-tbt-ms`).
 
 The config file (YAML):
 
@@ -103,49 +107,65 @@ class SweepConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="the sweep's YAML file (see the module docstring)")
     parser.add_argument("--only", nargs="*", help="run only the configurations with these labels")
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="run nothing: rebuild the tables from the result files already in out_dir")
+    parser.add_argument("--slo-tbt-ms", type=float, default=None,
+                        help="judge the capacity probes against this P99 TBT SLO instead of the config's")
 
 
 def main(args: argparse.Namespace) -> None:
     sweep = SweepConfig.load(args.config)
+    if args.slo_tbt_ms is not None and sweep.capacity:
+        sweep.capacity = {**sweep.capacity, "slo_tbt_ms": args.slo_tbt_ms}
     configs = [c for c in sweep.configs if not args.only or c.label in args.only]
     os.makedirs(sweep.out_dir, exist_ok=True)
-    rows = [run_config_or_report(sweep, config) for config in configs]
-    table = summary_table(rows)
-    print(table)
+    errors = {} if args.summarize_only else {c.label: run_config_or_report(sweep, c) for c in configs}
+    rows = [summary_row(sweep, c, errors.get(c.label)) for c in configs]
+    tables = summary_table(rows)
+    if sweep.capacity:
+        tables += "\n\n" + capacity_table(rows, sweep.capacity)
+    print(tables)
     with open(os.path.join(sweep.out_dir, "summary.md"), "w") as f:
-        f.write(table + "\n")
+        f.write(tables + "\n")
     with open(os.path.join(sweep.out_dir, "summary.json"), "w") as f:
         json.dump(rows, f, indent=2)
 
 
-def run_config_or_report(sweep: SweepConfig, config: ServerConfig) -> dict[str, Any]:
-    """``run_config``, or a row that says why it failed (a peer not installed, a server that
-    crashed): one configuration's failure must not lose the others' results."""
+def run_config_or_report(sweep: SweepConfig, config: ServerConfig) -> str | None:
+    """``run_config``; None, or why it failed (a peer not installed, a server that crashed):
+    one configuration's failure must not lose the others' results."""
     try:
-        return run_config(sweep, config)
+        run_config(sweep, config)
+        return None
     except (OSError, RuntimeError, httpx.HTTPError) as error:
         log(f"{config.label}: FAILED: {type(error).__name__}: {error}")
-        return {"config": config.label, "error": f"{type(error).__name__}: {error}"}
+        return f"{type(error).__name__}: {error}"
 
 
-def run_config(sweep: SweepConfig, config: ServerConfig) -> dict[str, Any]:
-    """Start the server, run every workload and the capacity search, stop it."""
+def run_config(sweep: SweepConfig, config: ServerConfig) -> None:
+    """Start the server, run every workload and the capacity search into out_dir, stop it."""
+    for name in os.listdir(sweep.out_dir):  # an earlier run's files of this configuration
+        if name.startswith(config.slug + "."):
+            os.remove(os.path.join(sweep.out_dir, name))
     base_url = f"http://127.0.0.1:{sweep.port}"
     log(f"{config.label}: starting the server")
     with _server(sweep, config) as server:
         _wait_healthy(base_url, config.startup_timeout_s, server)
-        results = {}
         for name, flags in sweep.workloads.items():
             log(f"{config.label}: workload {name}")
-            results[name] = _bench(base_url, config, flags, f"{config.label}", os.path.join(
-                sweep.out_dir, f"{config.slug}.{name}.json"))
-        capacity = _capacity(base_url, config, sweep) if sweep.capacity else None
-    return summary_row(config.label, results, capacity)
+            _bench(base_url, config, flags, config.label, _result_path(sweep, config, name))
+        if sweep.capacity:
+            _capacity(base_url, config, sweep)
 
 
-def summary_row(label: str, results: dict[str, dict], capacity: float | None) -> dict[str, Any]:
-    """The table's numbers from one configuration's results (None where a workload is absent)."""
-    row: dict[str, Any] = {"config": label, "capacity_rps": capacity}
+def summary_row(sweep: SweepConfig, config: ServerConfig, error: str | None = None) -> dict[str, Any]:
+    """The table's numbers for one configuration, read from its result files in out_dir
+    (None where a workload is absent)."""
+    results = {name: _load(_result_path(sweep, config, name)) for name in sweep.workloads}
+    results = {name: result for name, result in results.items() if result is not None}
+    row: dict[str, Any] = {"config": config.label}
+    if error or not results:
+        row["error"] = error or f"no result files in {sweep.out_dir} (run the sweep first)"
     interference = next((r["interference"] for r in results.values() if r.get("interference")), None)
     if interference:
         row["long_ttft_p50_s"] = _ms_to_s(interference["long_ttft_ms"]["p50"])
@@ -155,7 +175,26 @@ def summary_row(label: str, results: dict[str, dict], capacity: float | None) ->
     if throughput:
         row["short_ttft_p50_ms"] = throughput["summary"]["ttft_ms"]["p50"]
         row["output_tok_s"] = throughput["summary"]["output_token_throughput"]
+    if sweep.capacity:
+        probes = [probe_record(result["config"]["request_rate"], result["summary"], sweep.capacity)
+                  for result in _capacity_results(sweep, config)]
+        row["capacity_probes"] = sorted(probes, key=lambda probe: probe["rate"])
+        row["capacity_rps"] = max((p["rate"] for p in probes if p["passed"]), default=None)
     return row
+
+
+def probe_record(rate: float | str, summary: dict, spec: dict) -> dict[str, Any]:
+    """One capacity probe: its rate, P99 TBT, median TTFT, and whether it met the spec."""
+    return {"rate": float(rate), "tbt_p99_ms": summary["tbt_ms"]["p99"], "ttft_p50_ms": summary["ttft_ms"]["p50"],
+            "passed": probe_passes(summary, spec)}
+
+
+def probe_passes(summary: dict, spec: dict) -> bool:
+    """Every request completed, P99 TBT within the SLO, median TTFT within its bound (if set)."""
+    p99, ttft_p50 = summary["tbt_ms"]["p99"], summary["ttft_ms"]["p50"]
+    max_ttft_s = spec.get("max_median_ttft_s")
+    return (summary["failed"] == 0 and p99 is not None and p99 <= float(spec["slo_tbt_ms"])
+            and (not max_ttft_s or (ttft_p50 is not None and ttft_p50 <= 1000.0 * float(max_ttft_s))))
 
 
 SUMMARY_COLUMNS = [
@@ -171,16 +210,57 @@ SUMMARY_COLUMNS = [
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table: readable on the terminal, pasted as is into docs/BENCHMARKS.md."""
+    """A Markdown table: readable on the terminal, pasted as is into docs/BENCHMARKS.md.
+    A capacity below every probed rate reads "< lowest rate"."""
     header = [title for _, title, _ in SUMMARY_COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [fmt.format(row[key]) if row.get(key) is not None else "-" for key, _, fmt in SUMMARY_COLUMNS]
+        if row.get("capacity_rps") is None and row.get("capacity_probes"):
+            cells[-1] = f"< {row['capacity_probes'][0]['rate']:.2f}"
         lines.append("| " + " | ".join(cells) + " |")
     failures = [f"- {row['config']}: {row['error']}" for row in rows if row.get("error")]
     if failures:
         lines += ["", "Failed configurations:", *failures]
     return "\n".join(lines)
+
+
+def capacity_table(rows: list[dict[str, Any]], spec: dict) -> str:
+    """Every capacity probe: P99 TBT / median TTFT at each rate, the passing ones in bold."""
+    rates = sorted({p["rate"] for row in rows for p in row.get("capacity_probes", [])})
+    bound = f", median TTFT <= {spec['max_median_ttft_s']} s" if spec.get("max_median_ttft_s") else ""
+    lines = [f"Capacity probes: P99 TBT ms / median TTFT s at each request rate (bold: meets P99 TBT <= "
+             f"{spec['slo_tbt_ms']} ms{bound})", "",
+             "| config | " + " | ".join(f"{r:.2f} req/s" for r in rates) + " |", "|---|" + "---|" * len(rates)]
+    for row in rows:
+        by_rate = {p["rate"]: p for p in row.get("capacity_probes", [])}
+        cells = [_probe_cell(by_rate.get(rate)) for rate in rates]
+        lines.append(f"| {row['config']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _probe_cell(probe: dict[str, Any] | None) -> str:
+    if probe is None:
+        return ""
+    text = f"{_fmt(probe['tbt_p99_ms'])} / {_fmt(_ms_to_s(probe['ttft_p50_ms']), '{:.1f}')}"
+    return f"**{text}**" if probe["passed"] else text
+
+
+def _result_path(sweep: SweepConfig, config: ServerConfig, workload: str) -> str:
+    return os.path.join(sweep.out_dir, f"{config.slug}.{workload}.json")
+
+
+def _capacity_results(sweep: SweepConfig, config: ServerConfig) -> list[dict]:
+    prefix = f"{config.slug}.capacity-"
+    names = sorted(n for n in os.listdir(sweep.out_dir) if n.startswith(prefix)) if os.path.isdir(sweep.out_dir) else []
+    return [_load(os.path.join(sweep.out_dir, name)) for name in names]
+
+
+def _load(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _bench(base_url: str, config: ServerConfig, flags: list[str], label: str, result_file: str | None) -> dict:
@@ -193,22 +273,19 @@ def _bench(base_url: str, config: ServerConfig, flags: list[str], label: str, re
 
 
 def _capacity(base_url: str, config: ServerConfig, sweep: SweepConfig) -> float:
+    """Bisection over [min_rate, max_rate]; every probe's result is kept in out_dir."""
     spec = sweep.capacity
-    low, high, slo = float(spec["min_rate"]), float(spec["max_rate"]), float(spec["slo_tbt_ms"])
-    max_ttft_ms = 1000.0 * float(spec["max_median_ttft_s"]) if spec.get("max_median_ttft_s") else None
+    low, high = float(spec["min_rate"]), float(spec["max_rate"])
     best = 0.0
     for probe in range(int(spec.get("probes", 4))):
         rate = high if probe == 0 else (low + high) / 2
         # A new seed per probe: servers with a prefix or prompt cache must not reuse an earlier probe's prompts.
         flags = [*spec["args"], "--request-rate", str(rate), "--seed", str(CAPACITY_SEED + probe)]
-        result = _bench(base_url, config, flags, f"{config.label} @ {rate:.2f} req/s",
-                        os.path.join(sweep.out_dir, f"{config.slug}.capacity-{rate:.2f}.json") if sweep.out_dir else None)
-        summary = result["summary"]
-        p99, ttft_p50 = summary["tbt_ms"]["p99"], summary["ttft_ms"]["p50"]
-        passed = (summary["failed"] == 0 and p99 is not None and p99 <= slo
-                  and (max_ttft_ms is None or ttft_p50 <= max_ttft_ms))
-        log(f"{config.label}: capacity probe {rate:.2f} req/s: TBT p99 {_fmt(p99)} ms, TTFT p50 "
-            f"{_fmt(ttft_p50)} ms -> {'pass' if passed else 'fail'}")
+        result_file = os.path.join(sweep.out_dir, f"{config.slug}.capacity-{rate:.3f}.json") if sweep.out_dir else None
+        summary = _bench(base_url, config, flags, f"{config.label} @ {rate:.2f} req/s", result_file)["summary"]
+        passed = probe_passes(summary, spec)
+        log(f"{config.label}: capacity probe {rate:.2f} req/s: TBT p99 {_fmt(summary['tbt_ms']['p99'])} ms, "
+            f"TTFT p50 {_fmt(summary['ttft_ms']['p50'])} ms -> {'pass' if passed else 'fail'}")
         if passed:
             best = max(best, rate)
             if probe == 0:
@@ -227,8 +304,6 @@ class _server:
             self.command = [part.replace("{port}", str(sweep.port)) for part in config.command]
         else:
             trace = os.path.join(sweep.out_dir, f"{config.slug}.steps.jsonl")
-            if os.path.exists(trace):
-                os.remove(trace)
             self.command = [sys.executable, "-m", "chunkserve.cli", "serve", "--port", str(sweep.port),
                             "--trace-steps", trace, *sweep.server_args, *config.args]
         self.log_path = os.path.join(sweep.out_dir, f"{config.slug}.server.log")
@@ -264,8 +339,8 @@ def _wait_healthy(base_url: str, timeout_s: float, server: _server) -> None:
     raise RuntimeError(f"{base_url} did not become healthy within {timeout_s:.0f} s")
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
+def _fmt(value: float | None, fmt: str = "{:.0f}") -> str:
+    return "-" if value is None else fmt.format(value)
 
 
 def _ms_to_s(value: float | None) -> float | None:

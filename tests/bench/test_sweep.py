@@ -56,20 +56,40 @@ def test_a_probe_whose_median_ttft_exceeds_the_bound_fails(monkeypatch):
         out_dir="", port=0, server_args=[], configs=[], workloads={}, capacity={**spec, "max_median_ttft_s": None})) == 4
 
 
-def test_summary_rows_and_table():
+def write_result(path, summary: dict, interference: dict | None = None, rate: float | str = "inf") -> None:
+    path.write_text(json.dumps({"summary": summary, "interference": interference, "config": {"request_rate": rate}}))
+
+
+def test_summary_rows_and_tables_from_the_result_files(tmp_path):
     dist = {"p50": 80.0, "p90": 90.0, "p99": 400.0, "max": 900.0, "mean": 85.0, "count": 10}
-    results = {
-        "interference": {"interference": {"long_ttft_ms": {**dist, "p50": 3000.0}, "tbt_during_long_ms": dist}},
-        "throughput": {"interference": None, "summary": {"ttft_ms": {**dist, "p50": 1200.0},
-                                                         "output_token_throughput": 150.0}},
-    }
-    row = sweep.summary_row("chunked 256", results, capacity=1.5)
-    assert row == {"config": "chunked 256", "capacity_rps": 1.5, "long_ttft_p50_s": 3.0, "tbt_p50_ms": 80.0,
-                   "tbt_p99_ms": 400.0, "tbt_max_ms": 900.0, "short_ttft_p50_ms": 1200.0, "output_tok_s": 150.0}
-    table = sweep.summary_table([row, {"config": "peer", "error": "FileNotFoundError: start.sh"}])
-    assert "| chunked 256 | 3.00 | 1200 | 80 | 400 | 900 | 150.0 | 1.50 |" in table
+    spec = {"slo_tbt_ms": 500, "max_median_ttft_s": 2, "min_rate": 0.5, "max_rate": 2, "args": []}
+    config = SweepConfig(out_dir=str(tmp_path), port=0, server_args=[],
+                         configs=[ServerConfig("chunked 256"), ServerConfig("slow"), ServerConfig("peer")],
+                         workloads={"interference": [], "throughput": []}, capacity=spec)
+    write_result(tmp_path / "chunked-256.interference.json", {},
+                 {"long_ttft_ms": {**dist, "p50": 3000.0}, "tbt_during_long_ms": dist})
+    write_result(tmp_path / "chunked-256.throughput.json", {"ttft_ms": {**dist, "p50": 1200.0},
+                                                            "output_token_throughput": 150.0})
+    for rate, p99 in ((2.0, 900.0), (1.25, 450.0), (0.875, 300.0)):
+        write_result(tmp_path / f"chunked-256.capacity-{rate:.3f}.json",
+                     {"failed": 0, "tbt_ms": {"p99": p99}, "ttft_ms": {"p50": 1500.0}}, rate=rate)
+    write_result(tmp_path / "slow.throughput.json", {"ttft_ms": dist, "output_token_throughput": 10.0})
+    write_result(tmp_path / "slow.capacity-0.500.json",
+                 {"failed": 0, "tbt_ms": {"p99": 100.0}, "ttft_ms": {"p50": 9000.0}}, rate=0.5)
+    rows = [sweep.summary_row(config, c, "FileNotFoundError: start.sh" if c.label == "peer" else None)
+            for c in config.configs]
+    assert {k: v for k, v in rows[0].items() if k != "capacity_probes"} == {
+        "config": "chunked 256", "capacity_rps": 1.25, "long_ttft_p50_s": 3.0, "tbt_p50_ms": 80.0,
+        "tbt_p99_ms": 400.0, "tbt_max_ms": 900.0, "short_ttft_p50_ms": 1200.0, "output_tok_s": 150.0}
+    assert [p["passed"] for p in rows[0]["capacity_probes"]] == [True, True, False]  # sorted by rate
+    table = sweep.summary_table(rows)
+    assert "| chunked 256 | 3.00 | 1200 | 80 | 400 | 900 | 150.0 | 1.25 |" in table
+    assert "| slow | - | 80 | - | - | - | 10.0 | < 0.50 |" in table  # its only probe failed the TTFT bound
     assert "| peer | - | - | - | - | - | - | - |" in table
     assert table.endswith("Failed configurations:\n- peer: FileNotFoundError: start.sh")
+    probes = sweep.capacity_table(rows, spec)
+    assert "| chunked 256 |  | **300 / 1.5** | **450 / 1.5** | 900 / 1.5 |" in probes
+    assert "| slow | 100 / 9.0 |  |  |  |" in probes
 
 
 def test_a_real_sweep_of_one_configuration(tmp_path):
@@ -87,12 +107,17 @@ def test_a_real_sweep_of_one_configuration(tmp_path):
     sweep.main(parser.parse_args(["--config", str(config_file)]))
     row, missing = json.loads((out_dir / "summary.json").read_text())
     assert missing["config"] == "not installed" and "no-such-server.sh" in missing["error"]
-    assert row["config"] == "chunked 64" and row["output_tok_s"] > 0 and row["capacity_rps"] is None
+    assert row["config"] == "chunked 64" and row["output_tok_s"] > 0 and "capacity_rps" not in row
     result = json.loads((out_dir / "chunked-64.throughput.json").read_text())
     assert result["summary"]["completed"] == 4
     steps = [json.loads(line) for line in (out_dir / "chunked-64.steps.jsonl").read_text().splitlines()]
     assert sum(s["num_decode_tokens"] for s in steps) == 4 * 5  # the trace saw every decode step
     assert "server stopped" in (out_dir / "chunked-64.server.log").read_text()  # stopped by SIGTERM, cleanly
+    first_table = (out_dir / "summary.md").read_text()
+    sweep.main(parser.parse_args(["--config", str(config_file), "--summarize-only"]))  # nothing runs
+    table = (out_dir / "summary.md").read_text()
+    assert table.splitlines()[2] == first_table.splitlines()[2]  # the chunked 64 row, from its files
+    assert "- not installed: no result files in" in table
 
 
 def sweep_port() -> int:
