@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="step traces of `chunkserve serve --trace-steps`; each is labelled by its file stem")
     parser.add_argument("-o", "--out-dir", required=True, metavar="DIR",
                         help="folder for the PNGs (created if missing)")
+    parser.add_argument("--clip-to-results", action="store_true",
+                        help="keep only the trace steps that ran during one of the given results' runs "
+                             "(a sweep's trace also holds its other workloads)")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -43,6 +46,8 @@ def main(args: argparse.Namespace) -> None:
     try:
         results = [_load_result(path) for path in args.results]
         traces = _load_traces(args.trace)
+        if args.clip_to_results:
+            traces = {label: clip_to_runs(steps, results) for label, steps in traces.items()}
         make_figures(results, traces, args.out_dir)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -62,6 +67,13 @@ def make_figures(results: list[dict], traces: dict[str, list[dict]], out_dir: st
         if fig is not None:
             paths.append(_save(fig, os.path.join(out_dir, name)))
     return paths
+
+
+def clip_to_runs(steps: list[dict], results: list[dict]) -> list[dict]:
+    """The steps that started while one of the results ran (from its bench start to its last end)."""
+    spans = [(result["bench_start"], max((r["end_time"] for r in result["requests"]), default=result["bench_start"]))
+             for result in results]
+    return [step for step in steps if any(start <= step["start_time"] <= end for start, end in spans)]
 
 
 def tbt_gaps_ms(result: dict) -> list[float]:

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from chunkserve.bench.plot import add_arguments, main, make_figures, tbt_gaps_ms
+from chunkserve.bench.plot import add_arguments, clip_to_runs, main, make_figures, tbt_gaps_ms
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 BENCH_START = 1_700_000_000.0
@@ -148,3 +148,13 @@ def test_main_names_the_file_missing_a_key(tmp_path, capsys):
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert str(path) in error and "long_send_times" in error
+
+
+def test_clip_to_runs_keeps_the_steps_inside_a_result_run():
+    steps = _trace()  # 60 steps from BENCH_START, about 1.9 s in all
+    result = _random_result()  # runs from BENCH_START to its last request's end (0.9 s)
+    kept = clip_to_runs(steps, [result])
+    last_end = max(r["end_time"] for r in result["requests"])
+    assert kept == [s for s in steps if s["start_time"] <= last_end] and 0 < len(kept) < len(steps)
+    later = {**result, "bench_start": BENCH_START + 100.0}
+    assert clip_to_runs(steps, [later]) == []
