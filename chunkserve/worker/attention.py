@@ -5,8 +5,10 @@ The flat batch puts decode rows first, then each prefill chunk:
     rows   | d0 d1 d2 | p0 p0 p0 p0 | p1 p1 |
            decodes      chunk of p0   chunk of p1
 
-Decodes are attended together (their key lists padded to the longest, padding masked
-out); each prefill chunk is attended on its own, its queries at positions [c, c+n)
+Decodes are attended in groups of similar context length (each group's key lists padded
+to its longest, padding masked out; a group's longest is at most twice its shortest, so one
+long-context decode does not make every short one read and mask thousands of padded keys);
+each prefill chunk is attended on its own, its queries at positions [c, c+n)
 seeing keys [0, c + i] (the earlier chunks from the cache plus its own keys, causally).
 """
 
@@ -27,13 +29,19 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [B] rows of the flat batch (all among the first num_decode_rows)
+    key_slots: torch.Tensor  # [B, max_len] KV slots of each decode's keys, padded with slot 0
+    mask: torch.Tensor  # [B, 1, 1, max_len] True = a real key
+
+
+@dataclass
 class AttentionMetadata:
     """Built once per step by the input batch, read by every layer."""
 
     slot_mapping: torch.Tensor  # [T] where each row's new K/V is written
     num_decode_rows: int
-    decode_key_slots: torch.Tensor | None  # [B, max_len] KV slots of each decode's keys, padded with 0
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_len] True = a real key
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
 
@@ -48,16 +56,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim]; caches: [num_slots, kv_heads, head_dim] -> [T, heads, head_dim]."""
     out = torch.empty_like(q)
-    num_decodes = meta.num_decode_rows
-    if num_decodes:
-        slots = meta.decode_key_slots
-        keys = k_cache[slots].transpose(1, 2)  # (B, kv_heads, L, D)
-        values = v_cache[slots].transpose(1, 2)
-        queries = q[:num_decodes].unsqueeze(2)  # (B, heads, 1, D)
+    for group in meta.decode_groups:
+        keys = k_cache[group.key_slots].transpose(1, 2)  # (B, kv_heads, L, D)
+        values = v_cache[group.key_slots].transpose(1, 2)
+        queries = q[group.rows].unsqueeze(2)  # (B, heads, 1, D)
         attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+            queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
         )
-        out[:num_decodes] = attended.squeeze(2)
+        out[group.rows] = attended.squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_rows)
         keys = k_cache[chunk.key_slots].transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, D)

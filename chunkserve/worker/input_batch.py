@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from chunkserve.core.scheduler_output import ScheduledRequest
-from chunkserve.worker.attention import AttentionMetadata, PrefillChunk
+from chunkserve.worker.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 
 
 @dataclass
@@ -53,12 +53,10 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, 
             logits_rows.append(row - 1)
             sample_ids.append(s.request_id)
 
-    decode_key_slots, decode_mask = _decode_keys(singles, block_size)
     attn = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(slots)),
         num_decode_rows=len(singles),
-        decode_key_slots=decode_key_slots,
-        decode_mask=decode_mask,
+        decode_groups=[_decode_group(singles, rows, block_size) for rows in group_by_context(singles)],
         prefills=prefills,
     )
     return ForwardBatch(
@@ -85,20 +83,38 @@ def _chunk_mask(start: int, count: int) -> torch.Tensor | None:
     return keys[None, :] <= queries[:, None]
 
 
-def _decode_keys(singles: list[ScheduledRequest], block_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Key slots `[B, max_len]` of every single-token row, padded with slot 0, and the
+MAX_DECODE_PADDING_RATIO = 2
+
+
+def group_by_context(singles: list[ScheduledRequest]) -> list[list[int]]:
+    """Indices of the single-token rows, grouped so that in each group the longest context is
+    at most MAX_DECODE_PADDING_RATIO times the shortest: padding to the longest then wastes at
+    most half of a group's key reads. Context lengths [5, 100, 7, 180] -> [[0, 2], [1, 3]]."""
+    order = sorted(range(len(singles)), key=lambda i: singles[i].num_computed_tokens)
+    groups: list[list[int]] = []
+    for i in order:
+        context_len = singles[i].num_computed_tokens + 1
+        if groups and context_len <= MAX_DECODE_PADDING_RATIO * (singles[groups[-1][0]].num_computed_tokens + 1):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(group) for group in groups]
+
+
+def _decode_group(singles: list[ScheduledRequest], rows: list[int], block_size: int) -> DecodeGroup:
+    """Key slots `[B, max_len]` of the group's single-token rows, padded with slot 0, and the
     mask `[B, 1, 1, max_len]` of real keys. Context lengths [3, 1] -> mask [[1,1,1],[1,0,0]]."""
-    if not singles:
-        return None, None
-    context_lens = np.array([s.num_computed_tokens + 1 for s in singles], dtype=np.int64)
+    members = [singles[i] for i in rows]
+    context_lens = np.array([s.num_computed_tokens + 1 for s in members], dtype=np.int64)
     max_len = int(context_lens.max())
     max_blocks = -(-max_len // block_size)
-    tables = np.zeros((len(singles), max_blocks), dtype=np.int64)
-    for i, s in enumerate(singles):
+    tables = np.zeros((len(members), max_blocks), dtype=np.int64)
+    for i, s in enumerate(members):
         used = s.block_table[:max_blocks]
         tables[i, : len(used)] = used
     key_positions = np.arange(max_len, dtype=np.int64)
     key_slots = tables[:, key_positions // block_size] * block_size + key_positions % block_size
     mask = key_positions[None, :] < context_lens[:, None]
     key_slots = np.where(mask, key_slots, 0)
-    return torch.from_numpy(key_slots), torch.from_numpy(mask)[:, None, None, :]
+    return DecodeGroup(torch.tensor(rows, dtype=torch.long), torch.from_numpy(key_slots),
+                       torch.from_numpy(mask)[:, None, None, :])

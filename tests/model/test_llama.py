@@ -39,11 +39,12 @@ def test_prompt_logits_match_transformers_for_any_chunk_size(models, chunk):
 
 @pytest.mark.parametrize("chunk", [7, 64])
 def test_chunks_mixed_with_other_requests_decodes(models, chunk):
-    """A chunked prompt and three decoding requests share every forward."""
+    """A chunked prompt and four decoding requests share every forward; the decodes' contexts
+    differ enough to be attended in separate groups whose rows interleave."""
     reference, model, config = models
     rng = np.random.default_rng(2)
     runner = PagedRunner(model, config)
-    decoders = {f"d{i}": rng.integers(0, config.vocab_size, n).tolist() for i, n in enumerate((5, 33, 80))}
+    decoders = {f"d{i}": rng.integers(0, config.vocab_size, n).tolist() for i, n in enumerate((5, 80, 7, 33))}
     for request_id, tokens in decoders.items():
         runner.add(request_id, tokens)
         runner.step({request_id: len(tokens) - 1})  # prefill all but the last token

@@ -1,0 +1,30 @@
+"""Decode step time when one decoding request has a long context and the others short ones.
+
+8 requests with 64-token prompts and one with a 2040-token prompt decode 32 tokens together;
+prints the median duration of the steps that decode all 9. Before decodes were grouped by
+context length, every decode was padded to the longest context, so this one long request
+made every step about as slow as 9 long-context decodes.
+
+    .venv/bin/python benchmarks/mixed_context_decode.py
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+from chunkserve import LLM, SamplingParams
+
+
+def main() -> None:
+    llm = LLM(max_num_batched_tokens=2048, kv_cache_memory_gb=1)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 49000) for _ in range(n)] for n in [64] * 8 + [2040]]
+    llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True, temperature=0), use_tqdm=False)
+    steps = [r for r in llm.get_step_records() if r.forward_mode.name == "DECODE" and r.num_decode_tokens == 9]
+    median_ms = statistics.median(r.duration_s * 1000 for r in steps)
+    print(f"decode step, 8 short + 1 long context: median {median_ms:.0f} ms over {len(steps)} steps")
+
+
+if __name__ == "__main__":
+    main()
