@@ -22,10 +22,14 @@ def ttft(result: RequestResult) -> float | None:
     return result.token_times[0] - result.send_time if result.token_times else None
 
 
-def tbt_gaps(result: RequestResult) -> list[float]:
-    """Seconds between consecutive tokens: n tokens give n - 1 gaps."""
-    times = result.token_times
+def gaps(times: list[float]) -> list[float]:
+    """Differences between consecutive times: n times give n - 1 gaps."""
     return [b - a for a, b in zip(times, times[1:])]
+
+
+def tbt_gaps(result: RequestResult) -> list[float]:
+    """Seconds between consecutive tokens of one request."""
+    return gaps(result.token_times)
 
 
 def tpot(result: RequestResult) -> float | None:

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+from chunkserve.bench.metrics import gaps
+
 logger = logging.getLogger(__name__)
 
 FIGSIZE = (8.0, 4.5)
@@ -82,7 +84,7 @@ def tbt_gaps_ms(result: dict) -> list[float]:
 
 
 def _gaps_ms(times: list[float]) -> list[float]:
-    return [(later - earlier) * 1000.0 for earlier, later in zip(times, times[1:])]
+    return [1000.0 * gap for gap in gaps(times)]
 
 
 # ---- loading and validation ---------------------------------------------------------------

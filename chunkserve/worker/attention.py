@@ -30,7 +30,7 @@ class PrefillChunk:
 
 @dataclass
 class DecodeGroup:
-    rows: torch.Tensor  # [B] rows of the flat batch (all among the first num_decode_rows)
+    rows: torch.Tensor  # [B] rows of the flat batch (decode rows come first)
     key_slots: torch.Tensor  # [B, max_len] KV slots of each decode's keys, padded with slot 0
     mask: torch.Tensor  # [B, 1, 1, max_len] True = a real key
 
@@ -40,7 +40,6 @@ class AttentionMetadata:
     """Built once per step by the input batch, read by every layer."""
 
     slot_mapping: torch.Tensor  # [T] where each row's new K/V is written
-    num_decode_rows: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
 

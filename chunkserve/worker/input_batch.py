@@ -55,7 +55,6 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, 
 
     attn = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(slots)),
-        num_decode_rows=len(singles),
         decode_groups=[_decode_group(singles, rows, block_size) for rows in group_by_context(singles)],
         prefills=prefills,
     )
