@@ -29,7 +29,9 @@ def records(count: int) -> list[StepRecord]:
     return [
         StepRecord(step_id=i, start_time=1.79e9 + i * 0.035, duration_s=0.0351234 + i * 1e-7,
                    forward_mode=modes[i % 3], num_prefill_tokens=(i * 37) % 512, num_decode_tokens=i % 64,
-                   num_requests=1 + i % 64, num_preemptions=0, kv_cache_usage=(i % 100) / 100)
+                   num_requests=1 + i % 64, num_preemptions=0, kv_cache_usage=(i % 100) / 100,
+                   prefix_cache_queries=(i * 37) % 512 if i % 3 else 0, prefix_cache_hits=(i * 16) % 256 if i % 3 else 0,
+                   prefix_cache_hit_rate=0.25)
         for i in range(count)
     ]
 
@@ -40,7 +42,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     busy = SchedulerStats(num_running=8, num_waiting=0, num_preempted_waiting=0, num_free_blocks=100,
-                          num_blocks=200, num_preemptions_total=0)
+                          num_blocks=200, num_preemptions_total=0, prefix_cache_queries_total=0,
+                          prefix_cache_hits_total=0)
     steps = records(args.steps)
     per_step_us = []
     with tempfile.TemporaryDirectory() as folder:

@@ -71,6 +71,9 @@ class EngineArgs(CliArgs):
     block_size: int = _arg(16, "tokens per KV cache block (page)")
     kv_cache_memory_gb: float = _arg(2.0, "memory for the KV cache pool, GiB")
     num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides --kv-cache-memory-gb)")
+    enable_prefix_caching: bool = _arg(
+        True, "reuse the KV of full blocks shared with earlier requests (a SHA-256 hash chain over their tokens)"
+    )
     scheduling_policy: str = _arg("fcfs", "order of admission and preemption", choices=SCHEDULING_POLICIES)
     seed: int = _arg(0, "seed of the sampler for requests that give none")
 
@@ -116,6 +119,7 @@ class SchedulerConfig:
     enable_mixed_batch: bool = True
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
+    enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
 
     @classmethod

@@ -32,6 +32,7 @@ class RequestResult:
     ok: bool = False
     error: str | None = None
     completion_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens the server read from its prefix cache, if it says
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,6 +102,7 @@ async def read_events(response: httpx.Response, result: RequestResult) -> None:
             result.completion_tokens = len(result.token_times)
         if event.get("usage"):
             usage_tokens = event["usage"].get("completion_tokens")
+            result.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
     result.error = "the stream ended without [DONE]"
 
 
@@ -116,7 +118,8 @@ def is_terminator(event: dict, result: RequestResult) -> bool:
 async def run_requests(specs: list[RequestSpec], base_url: str, model: str | None, api_key: str | None,
                        max_concurrency: int | None,
                        on_done: Callable[[RequestResult], None] | None = None) -> tuple[str, float, list[RequestResult]]:
-    """Send every spec at its ``send_at``; returns (model, wall start time, results in spec order).
+    """Send every spec at its ``send_at`` (after the request it follows, if any); returns
+    (model, wall start time, results in spec order).
 
     ``max_concurrency`` caps the requests in flight: a request due while the cap is reached waits,
     and its send_time is when it actually goes out. ``on_done`` is called after each request.
@@ -124,18 +127,24 @@ async def run_requests(specs: list[RequestSpec], base_url: str, model: str | Non
     async with make_client(max(1, max_concurrency or len(specs)), api_key) as client:
         model = model or await fetch_model_name(client, base_url)
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        ended = [asyncio.Event() for _ in specs]
         start = time.time()
 
-        async def one(spec: RequestSpec) -> RequestResult:
-            await asyncio.sleep(max(0.0, start + spec.send_at - time.time()))
+        async def one(index: int, spec: RequestSpec) -> RequestResult:
+            if spec.after is None:
+                await asyncio.sleep(max(0.0, start + spec.send_at - time.time()))
+            else:
+                await ended[spec.after].wait()
+                await asyncio.sleep(spec.send_at)
             if gate is None:
                 result = await send_request(client, base_url, model, spec)
             else:
                 async with gate:
                     result = await send_request(client, base_url, model, spec)
+            ended[index].set()
             if on_done is not None:
                 on_done(result)
             return result
 
-        results = await asyncio.gather(*(one(spec) for spec in specs))
+        results = await asyncio.gather(*(one(i, spec) for i, spec in enumerate(specs)))
     return model, start, list(results)

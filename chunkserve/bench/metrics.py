@@ -79,6 +79,7 @@ def summarize(results: list[RequestResult], slo_ttft_ms: float | None = None,
     num_meeting_slo = sum(meets_slo(r, slo_ttft_ms, slo_tbt_ms) for r in results)
     output_tokens = sum(r.completion_tokens for r in done)
     prompt_tokens = sum(r.prompt_len for r in done)
+    reporting = [r for r in done if r.cached_tokens is not None]
     return {
         "completed": len(done),
         "failed": len(results) - len(done),
@@ -92,6 +93,9 @@ def summarize(results: list[RequestResult], slo_ttft_ms: float | None = None,
         "tbt_ms": ms_distribution(gap for r in done for gap in tbt_gaps(r)),
         "tpot_ms": ms_distribution(tpot(r) for r in done),
         "e2e_ms": ms_distribution(e2e(r) for r in done),
+        # Prompt tokens the server read from its prefix cache, over the requests that reported it.
+        "prefix_cache_hit_rate": (sum(r.cached_tokens for r in reporting) / sum(r.prompt_len for r in reporting)
+                                  if reporting else None),
     }
 
 

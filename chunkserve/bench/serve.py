@@ -84,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     interference.add_argument("--long-output-len", type=positive_int, default=16)
     interference.add_argument("--long-start", type=float, default=2.0,
                               help="seconds after the streams start when the first long prompt arrives")
+    prefix = parser.add_argument_group("prefix and multi-turn workloads")
+    prefix.add_argument("--prefix-len", type=positive_int, default=512,
+                        help="tokens of the shared prefix (multi-turn: the system prompt)")
+    prefix.add_argument("--num-prefixes", type=positive_int, default=1, help="prefix: distinct prefixes, used in turn")
+    prefix.add_argument("--turns", type=positive_int, default=4, help="multi-turn: turns per chat (--num-prompts chats)")
+    prefix.add_argument("--think-time", type=float, default=0.0,
+                        help="multi-turn: seconds between a response's end and the next turn")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -158,6 +165,8 @@ def format_table(result: dict) -> str:
         f"{'Goodput':<26}{summary['goodput']:>10.2f} req/s  "
         f"({summary['num_meeting_slo']}/{summary['completed'] + summary['failed']} met {slo_text})",
     ]
+    if summary.get("prefix_cache_hit_rate") is not None:
+        lines.append(f"{'Prefix cache hit rate':<26}{100 * summary['prefix_cache_hit_rate']:>10.1f} % of prompt tokens")
     if result["interference"] is not None:
         interference = result["interference"]
         lines += [""] + stats_table("Interference (ms)",

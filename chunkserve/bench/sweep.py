@@ -121,7 +121,7 @@ def main(args: argparse.Namespace) -> None:
     os.makedirs(sweep.out_dir, exist_ok=True)
     errors = {} if args.summarize_only else {c.label: run_config_or_report(sweep, c) for c in configs}
     rows = [summary_row(sweep, c, errors.get(c.label)) for c in configs]
-    tables = summary_table(rows)
+    tables = summary_table(rows) + "\n\nPer workload:\n\n" + workload_table(rows)
     if sweep.capacity:
         tables += "\n\n" + capacity_table(rows, sweep.capacity)
     print(tables)
@@ -163,7 +163,8 @@ def summary_row(sweep: SweepConfig, config: ServerConfig, error: str | None = No
     (None where a workload is absent)."""
     results = {name: _load(_result_path(sweep, config, name)) for name in sweep.workloads}
     results = {name: result for name, result in results.items() if result is not None}
-    row: dict[str, Any] = {"config": config.label}
+    row: dict[str, Any] = {"config": config.label,
+                           "workloads": {name: workload_cells(r["summary"]) for name, r in results.items()}}
     if error or not results:
         row["error"] = error or f"no result files in {sweep.out_dir} (run the sweep first)"
     interference = next((r["interference"] for r in results.values() if r.get("interference")), None)
@@ -181,6 +182,16 @@ def summary_row(sweep: SweepConfig, config: ServerConfig, error: str | None = No
         row["capacity_probes"] = sorted(probes, key=lambda probe: probe["rate"])
         row["capacity_rps"] = max((p["rate"] for p in probes if p["passed"]), default=None)
     return row
+
+
+def workload_cells(summary: dict) -> dict[str, Any]:
+    """One workload's numbers for the per-workload table."""
+    return {"ttft_p50_ms": summary["ttft_ms"]["p50"], "ttft_p99_ms": summary["ttft_ms"]["p99"],
+            "tbt_p50_ms": summary["tbt_ms"]["p50"], "tbt_p99_ms": summary["tbt_ms"]["p99"],
+            "e2e_p50_s": _ms_to_s(summary["e2e_ms"]["p50"]), "output_tok_s": summary["output_token_throughput"],
+            "total_tok_s": summary["total_token_throughput"],
+            "prefix_hit_pct": None if summary.get("prefix_cache_hit_rate") is None
+            else 100 * summary["prefix_cache_hit_rate"]}
 
 
 def probe_record(rate: float | str, summary: dict, spec: dict) -> dict[str, Any]:
@@ -222,6 +233,32 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     failures = [f"- {row['config']}: {row['error']}" for row in rows if row.get("error")]
     if failures:
         lines += ["", "Failed configurations:", *failures]
+    return "\n".join(lines)
+
+
+WORKLOAD_COLUMNS = [
+    ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
+    ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"),
+    ("tbt_p50_ms", "TBT p50 ms", "{:.0f}"),
+    ("tbt_p99_ms", "TBT p99 ms", "{:.0f}"),
+    ("e2e_p50_s", "E2E p50 s", "{:.2f}"),
+    ("output_tok_s", "out tok/s", "{:.1f}"),
+    ("total_tok_s", "total tok/s", "{:.0f}"),
+    ("prefix_hit_pct", "prefix-cache hit %", "{:.1f}"),
+]
+
+
+def workload_table(rows: list[dict[str, Any]]) -> str:
+    """Every workload of every configuration, one row each (Markdown)."""
+    header = ["workload", "config"] + [title for _, title, _ in WORKLOAD_COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    names = list(dict.fromkeys(name for row in rows for name in row.get("workloads", {})))
+    for name in names:
+        for row in rows:
+            cells = row.get("workloads", {}).get(name)
+            if cells is not None:
+                values = [_fmt(cells[key], fmt) for key, _, fmt in WORKLOAD_COLUMNS]
+                lines.append("| " + " | ".join([name, row["config"], *values]) + " |")
     return "\n".join(lines)
 
 

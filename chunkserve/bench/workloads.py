@@ -13,9 +13,20 @@ tokens at both ends of a typical vocabulary), so the benchmark needs no tokenize
 - ``interference``: ``streams`` decoding requests (kind "stream") sent at t=0, then
   ``long_prompts`` long prompts (kind "long") at ``long_start + i * long_every``: how much a
   long prefill stalls the token streams already running.
+- ``prefix``: ``num_prompts`` requests (kind "prefix"), each a shared prefix of ``prefix_len``
+  tokens (one of ``num_prefixes``, taken in turn: a system prompt, few-shot examples) and its
+  own suffix of ``input_len`` tokens (uniform with ``range_ratio``).
+- ``multi-turn``: ``num_prompts`` chats (kind "turn") of ``turns`` turns. The first turn is a
+  system prompt of ``prefix_len`` tokens shared by every chat plus a user message of
+  ``input_len`` tokens; each later turn resends the whole history plus an assistant reply of
+  ``output_len`` tokens and a new user message, and is sent ``think_time`` seconds after the
+  previous turn's response ended. The reply in the history is random tokens, not the
+  server's actual output (the client sees text, not token ids), so a prefix cache can reuse
+  the previous turn's prompt but not its generated tokens.
 
-For ``random`` and ``sharegpt-like`` the arrivals are a Poisson process at ``request_rate``
-(all at t=0 when it is infinite).
+For ``random``, ``sharegpt-like`` and ``prefix`` the arrivals are a Poisson process at
+``request_rate`` (all at t=0 when it is infinite); for ``multi-turn`` it is the chats' first
+turns that arrive so.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WORKLOADS = ("random", "sharegpt-like", "interference")
+WORKLOADS = ("random", "sharegpt-like", "interference", "prefix", "multi-turn")
 SHAREGPT_INPUT_SIGMA = 1.0
 SHAREGPT_OUTPUT_SIGMA = 0.8
 SHAREGPT_CLIP_LOW = 4
@@ -36,16 +47,19 @@ TOKEN_ID_MARGIN = 100
 
 @dataclass
 class RequestSpec:
-    """One request to send: its prompt, how many tokens to ask for, and when (seconds after start)."""
+    """One request to send: its prompt, how many tokens to ask for, and when: ``send_at``
+    seconds after the start, or, when ``after`` is the index of another request, that many
+    seconds after that request's response ended."""
 
     prompt_token_ids: list[int]
     output_len: int
     send_at: float
     kind: str
+    after: int | None = None
 
 
 def build_workload(args: argparse.Namespace, rng: np.random.Generator) -> list[RequestSpec]:
-    """The requests of ``args.workload``, sorted by send time."""
+    """The requests of ``args.workload``; every ``after`` points to an earlier request."""
     if args.workload == "random":
         input_lens = uniform_lengths(rng, args.input_len, args.range_ratio, args.num_prompts)
         output_lens = uniform_lengths(rng, args.output_len, args.range_ratio, args.num_prompts)
@@ -54,6 +68,10 @@ def build_workload(args: argparse.Namespace, rng: np.random.Generator) -> list[R
         output_lens = lognormal_lengths(rng, args.output_len, SHAREGPT_OUTPUT_SIGMA, args.num_prompts)
     elif args.workload == "interference":
         return interference_workload(args, rng)
+    elif args.workload == "prefix":
+        return prefix_workload(args, rng)
+    elif args.workload == "multi-turn":
+        return multi_turn_workload(args, rng)
     else:
         raise ValueError(f"unknown workload {args.workload!r}; choose from {', '.join(WORKLOADS)}")
     send_ats = poisson_arrivals(rng, args.request_rate, args.num_prompts)
@@ -68,6 +86,29 @@ def interference_workload(args: argparse.Namespace, rng: np.random.Generator) ->
     longs = [RequestSpec(random_prompt(rng, args.long_len, args.vocab_size), args.long_output_len,
                          args.long_start + i * args.long_every, "long") for i in range(args.long_prompts)]
     return streams + longs
+
+
+def prefix_workload(args: argparse.Namespace, rng: np.random.Generator) -> list[RequestSpec]:
+    """Requests sharing ``num_prefixes`` prefixes in turn, each with its own suffix."""
+    prefixes = [random_prompt(rng, args.prefix_len, args.vocab_size) for _ in range(args.num_prefixes)]
+    suffix_lens = uniform_lengths(rng, args.input_len, args.range_ratio, args.num_prompts)
+    send_ats = poisson_arrivals(rng, args.request_rate, args.num_prompts)
+    return [RequestSpec(prefixes[i % len(prefixes)] + random_prompt(rng, n, args.vocab_size), args.output_len, t,
+                        "prefix") for i, (n, t) in enumerate(zip(suffix_lens, send_ats))]
+
+
+def multi_turn_workload(args: argparse.Namespace, rng: np.random.Generator) -> list[RequestSpec]:
+    """Chats whose every turn resends the history; turn k + 1 follows turn k's response."""
+    system = random_prompt(rng, args.prefix_len, args.vocab_size)
+    specs: list[RequestSpec] = []
+    for start in poisson_arrivals(rng, args.request_rate, args.num_prompts):
+        history = system + random_prompt(rng, args.input_len, args.vocab_size)
+        specs.append(RequestSpec(history, args.output_len, start, "turn"))
+        for _ in range(args.turns - 1):
+            history = (history + random_prompt(rng, args.output_len, args.vocab_size)
+                       + random_prompt(rng, args.input_len, args.vocab_size))
+            specs.append(RequestSpec(history, args.output_len, args.think_time, "turn", after=len(specs) - 1))
+    return specs
 
 
 def sharegpt_like_params(input_len: int, output_len: int) -> dict:

@@ -1,43 +1,100 @@
-"""The pool of KV cache blocks (pages): which are free, which are taken."""
+"""The pool of KV cache blocks (pages): reference counts, the free queue, and the prefix
+cache's index from block hash to block.
+
+A block is in use while some request holds it (reference count > 0). A free block waits in
+an LRU queue; if it holds a cached prefix (a full block whose hash is known) it stays findable
+by that hash until an allocation needs room and evicts it. So "free" counts cached blocks too:
+they cost nothing to take back.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 
 class BlockPool:
-    """A free list over block ids `0..num_blocks-1`.
-
-    Ids are handed out in the order they were freed, so recently used pages are reused
-    last (room for LRU eviction of cached prefixes later).
-    """
+    """Blocks `0..num_blocks-1`. Allocation takes the least recently freed block first."""
 
     def __init__(self, num_blocks: int) -> None:
         assert num_blocks > 0, "the KV pool needs at least one block"
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._is_free = [True] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self._ref_counts = [0] * num_blocks
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # block hash -> the block holding that prefix
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds, cached ones included."""
         return len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by hash, held or free."""
+        return len(self._cached)
+
+    @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0.0 to 1.0."""
+        """Fraction of blocks held by requests, 0.0 to 1.0 (cached free blocks count as free)."""
         return 1.0 - len(self._free) / self.num_blocks
 
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
     def allocate(self, count: int) -> list[int] | None:
-        """Take `count` blocks, or None (taking nothing) if fewer are free."""
+        """Take `count` blocks, evicting the least recently freed cached ones as needed;
+        None (taking nothing) if fewer are free."""
         if count > len(self._free):
             return None
-        blocks = [self._free.popleft() for _ in range(count)]
-        for block_id in blocks:
-            self._is_free[block_id] = False
+        blocks = []
+        for _ in range(count):
+            block_id, _ = self._free.popitem(last=False)
+            self._evict(block_id)
+            self._ref_counts[block_id] = 1
+            blocks.append(block_id)
         return blocks
 
-    def free(self, block_ids: list[int]) -> None:
+    def touch(self, block_ids: list[int]) -> None:
+        """Take one more reference on cached blocks (a prefix-cache hit); a free one leaves
+        the free queue, so no allocation can evict it."""
         for block_id in block_ids:
-            assert not self._is_free[block_id], f"block {block_id} freed twice"
-            self._is_free[block_id] = True
-            self._free.append(block_id)
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference per block. A block nobody holds joins the free queue's tail
+        (it is evicted last), keeping its cached prefix."""
+        for block_id in block_ids:
+            assert self._ref_counts[block_id] > 0, f"block {block_id} freed twice"
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+
+    def cache(self, block_id: int, block_hash: bytes) -> None:
+        """Make a full, computed block findable by its hash. A block already cached, or a
+        hash another block already holds (two requests computed the same prefix at once),
+        is left alone: the duplicate is an ordinary block and is reused when freed."""
+        if self._hash_of[block_id] is None and block_hash not in self._cached:
+            self._hash_of[block_id] = block_hash
+            self._cached[block_hash] = block_id
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._cached.get(block_hash)
+
+    def reset_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) unless no request holds any block."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block_id in self._cached.values():
+            self._hash_of[block_id] = None
+        self._cached.clear()
+        return True
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self._hash_of[block_id]
+        if block_hash is not None:
+            del self._cached[block_hash]
+            self._hash_of[block_id] = None
+            self.num_evictions += 1

@@ -53,6 +53,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of its full blocks, kept by the KV manager
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,9 +10,13 @@ Sarathi-Serve's stall-free one:
   3. waiting requests are admitted while budget, sequence slots and KV blocks last.
 
 A prompt chunk that does not finish its prompt ends on a block boundary, so chunks are
-whole pages. When the pool runs dry while growing a running request, the least important
-unscheduled running request is preempted: its blocks are freed, its computed count is reset
-and it waits at the head of the queue; its output tokens are kept and recomputed.
+whole pages. With prefix caching, an admitted request starts after the longest cached run of
+blocks that begins its tokens, and every block becomes cacheable once its KV is computed.
+
+When the pool runs dry while growing a running request, the least important unscheduled
+running request is preempted: its blocks are released, its computed count is reset and it
+waits at the head of the queue; its output tokens are kept and recomputed (from its own
+blocks, if the prefix cache still holds them).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from chunkserve.core.stop import check_stop
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int) -> None:
         self.config = config
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
@@ -45,6 +49,8 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens of admitted requests (cumulative)
+        self.prefix_cache_hits = 0  # of those, found in the prefix cache
 
     # ----- queue management ---------------------------------------------------------
 
@@ -88,7 +94,13 @@ class Scheduler:
             num_free_blocks=self.kv.num_free_blocks,
             num_blocks=self.kv.num_blocks,
             num_preemptions_total=self.num_preemptions,
+            prefix_cache_queries_total=self.prefix_cache_queries,
+            prefix_cache_hits_total=self.prefix_cache_hits,
         )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any request is unfinished."""
+        return not self.has_unfinished_requests() and self.kv.reset_prefix_cache()
 
     # ----- one step -----------------------------------------------------------------
 
@@ -110,12 +122,16 @@ class Scheduler:
             if s.request_id not in self._known_to_runner
         ]
         self._known_to_runner.update(r.request_id for r in new_requests)
+        self.prefix_cache_queries += step.prefix_cache_queries
+        self.prefix_cache_hits += step.prefix_cache_hits
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         return SchedulerOutput(
             scheduled=step.scheduled,
             new_requests=new_requests,
             finished_request_ids=finished,
             preempted_request_ids=step.preempted,
+            prefix_cache_queries=step.prefix_cache_queries,
+            prefix_cache_hits=step.prefix_cache_hits,
         )
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
@@ -129,6 +145,7 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue
             request.num_computed_tokens += scheduled.num_scheduled_tokens
+            self.kv.cache_computed_blocks(request)
             token_id = runner_output.sampled_token_ids.get(scheduled.request_id)
             if token_id is None:
                 continue
@@ -153,22 +170,28 @@ class Scheduler:
         for request in list(self.running):
             if request.is_decoding or step.is_taken(request.request_id):
                 continue
-            num_tokens = self._chunk_len(request, step.budget)
+            num_tokens = self._chunk_len(request, request.num_computed_tokens, step.budget)
             if num_tokens > 0:
                 self._schedule_running(request, num_tokens, step)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
-            num_tokens = self._chunk_len(request, min(step.budget, self._kv_room(request)))
+            cached_blocks, num_cached = self.kv.get_computed_blocks(request)
+            kv_room = self.kv.num_available_blocks(request.request_id, cached_blocks) * self.config.block_size
+            num_tokens = self._chunk_len(request, num_cached, min(step.budget, kv_room - num_cached))
             if num_tokens == 0:
                 break
-            leaves_partial = request.num_computed_tokens + num_tokens < request.num_tokens
+            leaves_partial = num_cached + num_tokens < request.num_tokens
             if leaves_partial and self._num_partial_prefills(step) >= self.config.max_num_partial_prefills:
                 break
-            if self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_tokens) is None:
+            if self.kv.allocate_slots(request.request_id, num_cached + num_tokens, cached_blocks) is None:
                 break  # no preemption to admit new work: wait for blocks to come back
             self.waiting.remove(request)
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
+            step.count_prefix_query(request.num_tokens, num_cached)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._admission_seq[request.request_id] = self._next_admission
@@ -177,10 +200,10 @@ class Scheduler:
 
     # ----- helpers --------------------------------------------------------------------
 
-    def _chunk_len(self, request: Request, budget: int) -> int:
-        """How many of the request's missing tokens fit in this step: all of them, or a
-        block-aligned chunk, or 0 when not even one block fits (or chunking is off)."""
-        remaining = request.num_tokens - request.num_computed_tokens
+    def _chunk_len(self, request: Request, start: int, budget: int) -> int:
+        """How many of the request's tokens after `start` fit in this step: all of them, or
+        a block-aligned chunk, or 0 when not even one block fits (or chunking is off)."""
+        remaining = request.num_tokens - start
         num_tokens = min(remaining, budget)
         if self.config.enable_chunked_prefill and self.config.long_prefill_token_threshold:
             num_tokens = min(num_tokens, self.config.long_prefill_token_threshold)
@@ -189,13 +212,8 @@ class Scheduler:
         if not self.config.enable_chunked_prefill:
             return 0
         block_size = self.config.block_size
-        chunk_end = (request.num_computed_tokens + num_tokens) // block_size * block_size
-        return max(chunk_end - request.num_computed_tokens, 0)
-
-    def _kv_room(self, request: Request) -> int:
-        """Tokens the request could add with the blocks it holds plus all free blocks."""
-        num_blocks = len(self.kv.block_table(request.request_id)) + self.kv.num_free_blocks
-        return num_blocks * self.config.block_size - request.num_computed_tokens
+        chunk_end = (start + num_tokens) // block_size * block_size
+        return max(chunk_end - start, 0)
 
     def _schedule_running(self, request: Request, num_tokens: int, step: _StepBuilder) -> None:
         """Schedule a running request, preempting others (or, as a last resort, itself)
@@ -270,7 +288,13 @@ class _StepBuilder:
         self.budget = budget
         self.scheduled: list[ScheduledRequest] = []
         self.preempted: set[str] = set()
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self._num_tokens: dict[str, int] = {}
+
+    def count_prefix_query(self, num_tokens: int, num_cached: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_cached
 
     def is_taken(self, request_id: str) -> bool:
         """Already scheduled or preempted in this step."""

@@ -49,6 +49,8 @@ class SchedulerOutput:
     new_requests: list[NewRequestData]
     finished_request_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_request_ids: set[str] = field(default_factory=set)
+    prefix_cache_queries: int = 0  # tokens of the requests admitted in this step
+    prefix_cache_hits: int = 0  # of those, found in the prefix cache (not computed)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -95,6 +97,11 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
+def hit_rate(hits: int, queries: int) -> float:
+    """hits / queries, 0.0 before any query."""
+    return hits / queries if queries else 0.0
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     """The scheduler's queues and KV pool at one moment (what /metrics shows as gauges)."""
@@ -105,6 +112,12 @@ class SchedulerStats:
     num_free_blocks: int
     num_blocks: int
     num_preemptions_total: int
+    prefix_cache_queries_total: int  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits_total: int  # of those, found there
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return hit_rate(self.prefix_cache_hits_total, self.prefix_cache_queries_total)
 
     @property
     def kv_cache_usage(self) -> float:

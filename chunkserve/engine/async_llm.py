@@ -1,7 +1,8 @@
 """The engine behind the server: `LLMEngine` steps in its own thread, asyncio callers add,
 stream and abort requests through a command queue, and never wait on a step.
 
-One thread owns the engine, so nothing in it needs a lock. Commands (add, abort, stop) are
+One thread owns the engine, so nothing in it needs a lock. Commands (add, abort, reset the
+prefix cache, stop) are
 applied between steps in the order they were sent; each request's outputs reach its caller
 through its own asyncio queue, one output per sampled token, the moment the step ends.
 """
@@ -43,6 +44,12 @@ class _Add:
 @dataclass
 class _Abort:
     request_ids: list[str] | None  # None: every request in flight
+
+
+@dataclass
+class _ResetPrefixCache:
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future  # resolves to whether the cache was reset
 
 
 @dataclass
@@ -125,6 +132,16 @@ class AsyncLLM:
             raise
         return RequestStream(request_id, command.outputs, self.abort)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while any request is unfinished,
+        counting those added before this call."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        command = _ResetPrefixCache(loop, loop.create_future())
+        self._commands.put(command)
+        return await command.done
+
     def abort(self, request_id: str | list[str]) -> None:
         """Abort at the next step boundary; the blocks are back in the pool before the next step."""
         self._commands.put(_Abort([request_id] if isinstance(request_id, str) else list(request_id)))
@@ -174,9 +191,12 @@ class AsyncLLM:
             except queue.Empty:
                 return commands
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _ResetPrefixCache) -> None:
         if isinstance(command, _Abort):
             self._notify(None, self._abort(command.request_ids))
+            return
+        if isinstance(command, _ResetPrefixCache):
+            command.loop.call_soon_threadsafe(_settle, command.done, None, self.engine.reset_prefix_cache())
             return
         try:
             waiting = self.engine.get_stats().num_waiting
@@ -225,16 +245,19 @@ class AsyncLLM:
 
     def _fail_pending_commands(self, error: BaseException) -> None:
         for command in self._take_commands(block=False):
+            dead = EngineDeadError(f"engine failed: {error!r}")
             if isinstance(command, _Add):
-                command.loop.call_soon_threadsafe(_settle, command.accepted, EngineDeadError(f"engine failed: {error!r}"))
+                command.loop.call_soon_threadsafe(_settle, command.accepted, dead)
+            elif isinstance(command, _ResetPrefixCache):
+                command.loop.call_soon_threadsafe(_settle, command.done, dead)
             elif isinstance(command, _Stop):
                 command.done.set()
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, result: object = None) -> None:
     if future.done():  # the caller went away
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)

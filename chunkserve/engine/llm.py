@@ -33,6 +33,10 @@ class LLM:
     def get_step_records(self) -> list[StepRecord]:
         return list(self.engine.step_records)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while requests are unfinished."""
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:

@@ -16,7 +16,7 @@ import torch
 from chunkserve.config import EngineArgs, SchedulerConfig
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.scheduler import Scheduler
-from chunkserve.core.scheduler_output import SchedulerStats, TokenLogprobs
+from chunkserve.core.scheduler_output import SchedulerStats, TokenLogprobs, hit_rate
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepRecord
 from chunkserve.engine.tokenizer import load_tokenizer
@@ -107,6 +107,11 @@ class LLMEngine:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. after changing weights); refused (False) while
+        any request is unfinished."""
+        return self.scheduler.reset_prefix_cache()
+
     # ----- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -136,6 +141,9 @@ class LLMEngine:
             num_requests=len(scheduled.scheduled),
             num_preemptions=len(scheduled.preempted_request_ids),
             kv_cache_usage=self.scheduler.kv.usage,
+            prefix_cache_queries=scheduled.prefix_cache_queries,
+            prefix_cache_hits=scheduled.prefix_cache_hits,
+            prefix_cache_hit_rate=hit_rate(self.scheduler.prefix_cache_hits, self.scheduler.prefix_cache_queries),
         )
         self.step_records.append(self.last_step_record)
         self._next_step_id += 1
@@ -181,6 +189,7 @@ class LLMEngine:
             outputs=[completion],
             finished=finished,
             metrics=metrics,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
 
     # ----- validation and set-up ------------------------------------------------------------

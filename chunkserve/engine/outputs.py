@@ -39,6 +39,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class StepRecord:
     num_requests: int
     num_preemptions: int
     kv_cache_usage: float  # fraction of KV blocks in use after the step
+    prefix_cache_queries: int  # tokens of the requests admitted in this step
+    prefix_cache_hits: int  # of those, found in the prefix cache
+    prefix_cache_hit_rate: float  # hits / queries since the engine started
 
     def to_dict(self) -> dict:
         """One line of a step trace (JSON-ready)."""

@@ -83,6 +83,13 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        if not await engine.reset_prefix_cache():
+            return _error(409, "the prefix cache can only be reset while no request is running or waiting; "
+                               "retry when the server is idle", "conflict_error")
+        return {}
+
     @app.get("/debug/steps")
     async def debug_steps(last: int = 100):
         if last < 1:

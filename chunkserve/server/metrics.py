@@ -43,6 +43,10 @@ class EngineMetrics:
         self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "KV cache blocks in the free pool")
         self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "KV cache blocks in the pool")
         self.num_preemptions = counter("num_preemptions", "Preemptions (by recompute)").labels(**labels)
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens of admitted requests looked up in the prefix cache").labels(**labels)
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)").labels(**labels)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token").labels(
             **labels)
         self.generation_tokens = counter("generation_tokens", "Generated tokens").labels(**labels)
@@ -68,7 +72,7 @@ class EngineMetrics:
         self.step_decode_batch_size = histogram(
             "step_decode_batch_size", "Decode tokens per engine step (steps with any)", _TOKEN_BUCKETS)
         self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step", _LATENCY_BUCKETS)
-        self._preemptions_seen = 0
+        self._totals_seen: dict[Counter, int] = {}
 
     def observe(self, record: StepRecord | None, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
         if record is not None:
@@ -81,8 +85,14 @@ class EngineMetrics:
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.kv_cache_free_blocks.set(stats.num_free_blocks)
         self.kv_cache_total_blocks.set(stats.num_blocks)
-        self.num_preemptions.inc(stats.num_preemptions_total - self._preemptions_seen)
-        self._preemptions_seen = stats.num_preemptions_total
+        self._count_up_to(self.num_preemptions, stats.num_preemptions_total)
+        self._count_up_to(self.prefix_cache_queries, stats.prefix_cache_queries_total)
+        self._count_up_to(self.prefix_cache_hits, stats.prefix_cache_hits_total)
+
+    def _count_up_to(self, counter: Counter, total: int) -> None:
+        """Advance a counter to the engine's running total."""
+        counter.inc(total - self._totals_seen.get(counter, 0))
+        self._totals_seen[counter] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

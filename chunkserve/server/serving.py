@@ -37,10 +37,14 @@ def sse(payload: Event | str) -> str:
     return f"data: {data}\n\n"
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` counts the prompt tokens
+    read from the prefix cache."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class Serving:
@@ -160,6 +164,7 @@ class Serving:
                 "meta_info": {
                     "id": request_id, "prompt_tokens": len(output.prompt_token_ids),
                     "completion_tokens": len(completion.token_ids),
+                    "cached_tokens": output.num_cached_tokens,
                     "finish_reason": _sglang_finish_reason(completion) if output.finished else None,
                     "e2e_latency": end - metrics.arrival_time,
                 },

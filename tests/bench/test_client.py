@@ -51,3 +51,10 @@ def test_errors_are_recorded():
     assert run(sse(token("a"))).error == "the stream ended without [DONE]"
     failed = run(sse(token("a"), {"error": {"message": "engine died"}}))
     assert not failed.ok and "engine died" in failed.error
+
+
+def test_the_usage_event_reports_cached_prompt_tokens():
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1,
+                                      "prompt_tokens_details": {"cached_tokens": 2}}}
+    assert run(sse(token("a", "length"), usage, "[DONE]"), output_len=1).cached_tokens == 2
+    assert run(sse(token("a", "length"), "[DONE]"), output_len=1).cached_tokens is None

@@ -144,3 +144,34 @@ def test_interference_workload_schedule():
     specs = build_workload(args, np.random.default_rng(0))
     assert [(s.kind, s.send_at) for s in specs] == [("stream", 0.0)] * 3 + [("long", 1.5), ("long", 3.5)]
     assert [len(s.prompt_token_ids) for s in specs[3:]] == [40, 40]
+
+
+def test_prefix_workload_shares_its_prefixes_in_turn():
+    args = bench_args("--workload", "prefix", "--num-prompts", "6", "--prefix-len", "50", "--num-prefixes", "2",
+                      "--input-len", "10", "--output-len", "4")
+    specs = build_workload(args, np.random.default_rng(0))
+    assert [len(s.prompt_token_ids) for s in specs] == [60] * 6 and {s.kind for s in specs} == {"prefix"}
+    prefixes = [tuple(s.prompt_token_ids[:50]) for s in specs]
+    assert prefixes[0::2] == [prefixes[0]] * 3 and prefixes[1::2] == [prefixes[1]] * 3 and prefixes[0] != prefixes[1]
+    assert len({tuple(s.prompt_token_ids[50:]) for s in specs}) == 6
+
+
+def test_multi_turn_workload_resends_the_history_after_the_previous_turn():
+    args = bench_args("--workload", "multi-turn", "--num-prompts", "2", "--turns", "3", "--prefix-len", "30",
+                      "--input-len", "10", "--output-len", "5", "--think-time", "0.5")
+    specs = build_workload(args, np.random.default_rng(0))
+    assert [len(s.prompt_token_ids) for s in specs] == [40, 55, 70] * 2
+    assert [s.after for s in specs] == [None, 0, 1, None, 3, 4]
+    assert [s.send_at for s in specs if s.after is not None] == [0.5] * 4
+    for turn in (1, 2, 4, 5):
+        previous, current = specs[turn - 1].prompt_token_ids, specs[turn].prompt_token_ids
+        assert current[: len(previous)] == previous
+    assert specs[0].prompt_token_ids[:30] == specs[3].prompt_token_ids[:30]  # one system prompt for all chats
+
+
+def test_prefix_cache_hit_rate_counts_the_requests_that_report_it():
+    reporting = request(0.0, [1.0, 1.1], end=1.2)
+    reporting.prompt_len, reporting.cached_tokens = 100, 64
+    silent = request(0.0, [1.0, 1.1], end=1.2)
+    assert summarize([reporting, silent])["prefix_cache_hit_rate"] == pytest.approx(0.64)
+    assert summarize([silent])["prefix_cache_hit_rate"] is None

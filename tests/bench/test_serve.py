@@ -96,3 +96,16 @@ def test_max_concurrency_one_sends_each_request_after_the_previous_ends(server):
     requests = sorted(result["requests"], key=lambda r: r["send_time"])
     assert all(r["ok"] for r in requests)
     assert all(later["send_time"] >= earlier["end_time"] for earlier, later in zip(requests, requests[1:]))
+
+
+def test_multi_turn_workload_follows_each_turn_and_hits_the_prefix_cache(server):
+    result = run_benchmark(bench_args(server, "--workload", "multi-turn", "--num-prompts", "2", "--turns", "3",
+                                      "--prefix-len", "64", "--input-len", "16", "--output-len", "4",
+                                      "--seed", "61", "--api-key", API_KEY))
+    requests = result["requests"]
+    assert all(r["ok"] for r in requests) and [r["prompt_len"] for r in requests] == [80, 100, 120] * 2
+    for chat in (requests[:3], requests[3:]):
+        assert all(later["send_time"] >= earlier["end_time"] for earlier, later in zip(chat, chat[1:]))
+        assert all(r["cached_tokens"] >= 80 - 16 for r in chat[1:]), "a later turn recomputed its history"
+    assert result["summary"]["prefix_cache_hit_rate"] > 0.5
+    assert "Prefix cache hit rate" in format_table(result)

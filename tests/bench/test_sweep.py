@@ -60,25 +60,31 @@ def write_result(path, summary: dict, interference: dict | None = None, rate: fl
     path.write_text(json.dumps({"summary": summary, "interference": interference, "config": {"request_rate": rate}}))
 
 
+def summary(dist: dict, output_tok_s: float, **extra) -> dict:
+    """A result summary with every latency distribution set to ``dist``."""
+    return {"ttft_ms": dist, "tbt_ms": dist, "e2e_ms": dist, "output_token_throughput": output_tok_s,
+            "total_token_throughput": 4 * output_tok_s, **extra}
+
+
 def test_summary_rows_and_tables_from_the_result_files(tmp_path):
     dist = {"p50": 80.0, "p90": 90.0, "p99": 400.0, "max": 900.0, "mean": 85.0, "count": 10}
     spec = {"slo_tbt_ms": 500, "max_median_ttft_s": 2, "min_rate": 0.5, "max_rate": 2, "args": []}
     config = SweepConfig(out_dir=str(tmp_path), port=0, server_args=[],
                          configs=[ServerConfig("chunked 256"), ServerConfig("slow"), ServerConfig("peer")],
                          workloads={"interference": [], "throughput": []}, capacity=spec)
-    write_result(tmp_path / "chunked-256.interference.json", {},
+    write_result(tmp_path / "chunked-256.interference.json", summary(dist, 20.0),
                  {"long_ttft_ms": {**dist, "p50": 3000.0}, "tbt_during_long_ms": dist})
-    write_result(tmp_path / "chunked-256.throughput.json", {"ttft_ms": {**dist, "p50": 1200.0},
-                                                            "output_token_throughput": 150.0})
+    write_result(tmp_path / "chunked-256.throughput.json",
+                 {**summary(dist, 150.0, prefix_cache_hit_rate=0.25), "ttft_ms": {**dist, "p50": 1200.0}})
     for rate, p99 in ((2.0, 900.0), (1.25, 450.0), (0.875, 300.0)):
         write_result(tmp_path / f"chunked-256.capacity-{rate:.3f}.json",
                      {"failed": 0, "tbt_ms": {"p99": p99}, "ttft_ms": {"p50": 1500.0}}, rate=rate)
-    write_result(tmp_path / "slow.throughput.json", {"ttft_ms": dist, "output_token_throughput": 10.0})
+    write_result(tmp_path / "slow.throughput.json", summary(dist, 10.0))
     write_result(tmp_path / "slow.capacity-0.500.json",
                  {"failed": 0, "tbt_ms": {"p99": 100.0}, "ttft_ms": {"p50": 9000.0}}, rate=0.5)
     rows = [sweep.summary_row(config, c, "FileNotFoundError: start.sh" if c.label == "peer" else None)
             for c in config.configs]
-    assert {k: v for k, v in rows[0].items() if k != "capacity_probes"} == {
+    assert {k: v for k, v in rows[0].items() if k not in ("capacity_probes", "workloads")} == {
         "config": "chunked 256", "capacity_rps": 1.25, "long_ttft_p50_s": 3.0, "tbt_p50_ms": 80.0,
         "tbt_p99_ms": 400.0, "tbt_max_ms": 900.0, "short_ttft_p50_ms": 1200.0, "output_tok_s": 150.0}
     assert [p["passed"] for p in rows[0]["capacity_probes"]] == [True, True, False]  # sorted by rate
@@ -87,6 +93,12 @@ def test_summary_rows_and_tables_from_the_result_files(tmp_path):
     assert "| slow | - | 80 | - | - | - | 10.0 | < 0.50 |" in table  # its only probe failed the TTFT bound
     assert "| peer | - | - | - | - | - | - | - |" in table
     assert table.endswith("Failed configurations:\n- peer: FileNotFoundError: start.sh")
+    workloads = sweep.workload_table(rows).splitlines()
+    assert workloads[2:] == [
+        "| interference | chunked 256 | 80 | 400 | 80 | 400 | 0.08 | 20.0 | 80 | - |",
+        "| throughput | chunked 256 | 1200 | 400 | 80 | 400 | 0.08 | 150.0 | 600 | 25.0 |",
+        "| throughput | slow | 80 | 400 | 80 | 400 | 0.08 | 10.0 | 40 | - |",
+    ]
     probes = sweep.capacity_table(rows, spec)
     assert "| chunked 256 |  | **300 / 1.5** | **450 / 1.5** | 900 / 1.5 |" in probes
     assert "| slow | 100 / 9.0 |  |  |  |" in probes

@@ -1,7 +1,9 @@
 """Scheduler tests without a model: a fake runner that simulates the paged KV cache.
 
-The fake runner writes (request, position, token) into every slot the step computes and,
-before sampling, checks that the request's whole history is in its blocks. Its "model" is
+The fake runner writes (position, the token history up to it) into every slot the step
+computes, as a real KV entry depends on the whole prefix, and before sampling checks that the
+request's whole history is in its blocks (written by it or, through the prefix cache, by an
+earlier request with the same prefix). Its "model" is
 a deterministic function of the token history, so a request's output only stays the same
 under preemption if the scheduler recomputed exactly the right tokens.
 """
@@ -38,7 +40,8 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, priority
 class FakeRunner:
     def __init__(self, block_size: int = BLOCK) -> None:
         self.block_size = block_size
-        self.slots: dict[int, tuple[str, int, int]] = {}
+        self.slots: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.num_computed = 0  # tokens computed over all steps
         self.tokens: dict[str, list[int]] = {}
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -49,13 +52,14 @@ class FakeRunner:
         sampled = {}
         for s in output.scheduled:
             tokens = self.tokens[s.request_id]
+            self.num_computed += s.num_scheduled_tokens
             for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens):
-                self.slots[self.slot(s.block_table, pos)] = (s.request_id, pos, tokens[pos])
+                self.slots[self.slot(s.block_table, pos)] = (pos, tuple(tokens[: pos + 1]))
             if s.sample:
                 end = s.num_computed_tokens + s.num_scheduled_tokens
                 assert end == len(tokens), "sampling before the whole history is computed"
                 for pos in range(end):
-                    assert self.slots[self.slot(s.block_table, pos)] == (s.request_id, pos, tokens[pos]), (
+                    assert self.slots[self.slot(s.block_table, pos)] == (pos, tuple(tokens[: pos + 1])), (
                         f"{s.request_id}: KV of position {pos} is wrong")
                 token = (sum(tokens) * 31 + len(tokens)) % 997 + 1
                 tokens.append(token)
@@ -66,9 +70,11 @@ class FakeRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
-def run(scheduler: Scheduler, requests: list[Request], check=None, max_steps: int = 10_000) -> dict[str, list[int]]:
-    """Step until every request finishes; `check(scheduler, output)` runs on every step."""
-    runner = FakeRunner(scheduler.config.block_size)
+def run(scheduler: Scheduler, requests: list[Request], check=None, max_steps: int = 10_000,
+        runner: FakeRunner | None = None) -> dict[str, list[int]]:
+    """Step until every request finishes; `check(scheduler, output)` runs on every step. Pass
+    the `runner` (the simulated KV) to keep using a scheduler, and so its prefix cache."""
+    runner = runner or FakeRunner(scheduler.config.block_size)
     for request in requests:
         scheduler.add_request(request)
     for _ in range(max_steps):

@@ -92,12 +92,16 @@ def test_preemption_with_a_tiny_pool_keeps_outputs(reference_outputs):
 
 
 def test_step_records_describe_each_step(default_llm):
+    assert default_llm.reset_prefix_cache()  # earlier tests sent these prompts: compute them again
     before = len(default_llm.get_step_records())
     prompts = mixed_length_prompts(default_llm, 6)
-    default_llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    outputs = default_llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     records = default_llm.get_step_records()[before:]
     assert {r.forward_mode.value for r in records} >= {"EXTEND", "MIXED", "DECODE"}
-    assert sum(r.num_prefill_tokens for r in records) == sum(len(p) for p in prompts)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    assert sum(r.num_prefill_tokens for r in records) == sum(len(p) for p in prompts) - cached
+    assert sum(r.prefix_cache_hits for r in records) == cached
+    assert sum(r.prefix_cache_queries for r in records) == sum(len(p) for p in prompts)
     assert sum(r.num_decode_tokens for r in records) == sum(5 - 1 for _ in prompts)
     assert all(r.duration_s > 0 and r.num_requests >= 1 for r in records)
 

@@ -161,6 +161,38 @@ def test_metrics_counters_agree_with_what_was_sent(server, client, model_name, d
     assert after["chunkserve:kv_cache_free_blocks{}"] == after["chunkserve:kv_cache_total_blocks{}"]
 
 
+def test_prefix_cache_hits_show_in_usage_and_metrics_and_reset_waits_for_idle(server, client, model_name):
+    prompt = list(range(1000, 1100))
+    idle = server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0
+                             and m["chunkserve:num_requests_waiting{}"] == 0)
+    with server.client() as http:
+        assert http.post("/reset_prefix_cache").status_code == 200
+    first = client.completions.create(model=model_name, prompt=prompt, max_tokens=2)
+    longer = client.completions.create(model=model_name, prompt=prompt + [7, 8, 9], max_tokens=2)
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert longer.usage.prompt_tokens_details.cached_tokens == 96  # 6 full blocks of 16
+    assert chat.usage.prompt_tokens_details.cached_tokens % 16 == 0
+    after = server.metrics()
+    hits = after["chunkserve:prefix_cache_hits_total{}"] - idle["chunkserve:prefix_cache_hits_total{}"]
+    queries = after["chunkserve:prefix_cache_queries_total{}"] - idle["chunkserve:prefix_cache_queries_total{}"]
+    assert hits == 96 + chat.usage.prompt_tokens_details.cached_tokens
+    assert queries == 100 + 103 + chat.usage.prompt_tokens
+
+    body = {"prompt": prompt, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with server.client() as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()  # kept: dropping the iterator closes the stream
+            next(line for line in lines if line.startswith("data: "))
+            refused = http.post("/reset_prefix_cache")
+        assert refused.status_code == 409 and refused.json()["error"]["type"] == "conflict_error"
+        server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0)
+        assert http.post("/reset_prefix_cache").status_code == 200
+    again = client.completions.create(model=model_name, prompt=prompt, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+
+
 @pytest.mark.parametrize("path, body, status, message, param", [
     ("/v1/completions", "{not json", 400, "malformed JSON", None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens: Input should be a valid integer",
@@ -211,7 +243,7 @@ def test_oversized_body_gets_413(server):
 
 @pytest.mark.parametrize("method, path", [
     ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/generate"),
-    ("GET", "/metrics"), ("GET", "/version"),
+    ("GET", "/metrics"), ("GET", "/version"), ("POST", "/reset_prefix_cache"),
 ])
 def test_every_endpoint_but_health_needs_the_api_key(server, method, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
@@ -239,7 +271,8 @@ def test_step_trace_file_and_debug_endpoint_agree(server, client, model_name):
         assert http.get("/debug/steps", params={"last": "many"}).status_code == 400
     assert len(steps) == 5 and steps[-1]["forward_mode"] == "DECODE"
     assert set(steps[0]) == {"step_id", "start_time", "duration_s", "forward_mode", "num_prefill_tokens",
-                             "num_decode_tokens", "num_requests", "num_preemptions", "kv_cache_usage"}
+                             "num_decode_tokens", "num_requests", "num_preemptions", "kv_cache_usage",
+                             "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate"}
     with open(server.trace_path) as f:
         traced = [json.loads(line) for line in f]
     assert traced[-5:] == steps
