@@ -136,12 +136,14 @@ async def run_requests(specs: list[RequestSpec], base_url: str, model: str | Non
             else:
                 await ended[spec.after].wait()
                 await asyncio.sleep(spec.send_at)
-            if gate is None:
-                result = await send_request(client, base_url, model, spec)
-            else:
-                async with gate:
+            try:
+                if gate is None:
                     result = await send_request(client, base_url, model, spec)
-            ended[index].set()
+                else:
+                    async with gate:
+                        result = await send_request(client, base_url, model, spec)
+            finally:
+                ended[index].set()  # even on a bug or cancellation: the next turn must not wait forever
             if on_done is not None:
                 on_done(result)
             return result

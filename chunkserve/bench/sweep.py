@@ -223,13 +223,13 @@ SUMMARY_COLUMNS = [
 def summary_table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table: readable on the terminal, pasted as is into docs/BENCHMARKS.md.
     A capacity below every probed rate reads "< lowest rate"."""
-    header = [title for _, title, _ in SUMMARY_COLUMNS]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    body = []
     for row in rows:
-        cells = [fmt.format(row[key]) if row.get(key) is not None else "-" for key, _, fmt in SUMMARY_COLUMNS]
+        cells = [_fmt(row.get(key), fmt) for key, _, fmt in SUMMARY_COLUMNS]
         if row.get("capacity_rps") is None and row.get("capacity_probes"):
             cells[-1] = f"< {row['capacity_probes'][0]['rate']:.2f}"
-        lines.append("| " + " | ".join(cells) + " |")
+        body.append(cells)
+    lines = markdown_table([title for _, title, _ in SUMMARY_COLUMNS], body)
     failures = [f"- {row['config']}: {row['error']}" for row in rows if row.get("error")]
     if failures:
         lines += ["", "Failed configurations:", *failures]
@@ -250,16 +250,15 @@ WORKLOAD_COLUMNS = [
 
 def workload_table(rows: list[dict[str, Any]]) -> str:
     """Every workload of every configuration, one row each (Markdown)."""
-    header = ["workload", "config"] + [title for _, title, _ in WORKLOAD_COLUMNS]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     names = list(dict.fromkeys(name for row in rows for name in row.get("workloads", {})))
-    for name in names:
-        for row in rows:
-            cells = row.get("workloads", {}).get(name)
-            if cells is not None:
-                values = [_fmt(cells[key], fmt) for key, _, fmt in WORKLOAD_COLUMNS]
-                lines.append("| " + " | ".join([name, row["config"], *values]) + " |")
-    return "\n".join(lines)
+    body = [[name, row["config"], *(_fmt(row["workloads"][name][key], fmt) for key, _, fmt in WORKLOAD_COLUMNS)]
+            for name in names for row in rows if name in row.get("workloads", {})]
+    return "\n".join(markdown_table(["workload", "config"] + [title for _, title, _ in WORKLOAD_COLUMNS], body))
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a Markdown table."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def capacity_table(rows: list[dict[str, Any]], spec: dict) -> str:

@@ -13,7 +13,8 @@ from collections import OrderedDict
 
 
 class BlockPool:
-    """Blocks `0..num_blocks-1`. Allocation takes the least recently freed block first."""
+    """Blocks `0..num_blocks-1`. Allocation takes free blocks holding no cached prefix first,
+    then the least recently freed cached ones."""
 
     def __init__(self, num_blocks: int) -> None:
         assert num_blocks > 0, "the KV pool needs at least one block"
@@ -64,13 +65,16 @@ class BlockPool:
             self._ref_counts[block_id] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference per block. A block nobody holds joins the free queue's tail
-        (it is evicted last), keeping its cached prefix."""
+        """Drop one reference per block. A block nobody holds joins the free queue: at the
+        tail (evicted last) if it keeps a cached prefix, at the head (reused first) if it
+        holds nothing worth keeping (a partial last block, a duplicate)."""
         for block_id in block_ids:
             assert self._ref_counts[block_id] > 0, f"block {block_id} freed twice"
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
                 self._free[block_id] = None
+                if self._hash_of[block_id] is None:
+                    self._free.move_to_end(block_id, last=False)
 
     def cache(self, block_id: int, block_hash: bytes) -> None:
         """Make a full, computed block findable by its hash. A block already cached, or a
@@ -82,6 +86,9 @@ class BlockPool:
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self._cached.get(block_hash)
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._hash_of[block_id] is not None
 
     def reset_cache(self) -> bool:
         """Forget every cached prefix; refused (False) unless no request holds any block."""

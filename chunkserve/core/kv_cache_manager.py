@@ -9,7 +9,8 @@ Token position p of a request lives in KV slot
 
 Prefix caching (vLLM V1's scheme): a full block is named by a hash chain, SHA-256 over its
 parent block's hash and its own token ids, so equal hashes mean equal whole prefixes and
-a crafted prompt cannot collide with another user's prefix to read its KV. A new request
+a crafted prompt cannot collide with another user's prefix to read its KV. (Whether a
+prefix is cached does show, in `cached_tokens` and in TTFT: there is no per-tenant salt.) A new request
 takes the longest run of cached blocks that starts its tokens and computes the rest; blocks
 are registered in the cache as their last token's KV is computed (a chunked prompt's earlier
 chunks become reusable while it is still prefilling).
@@ -40,7 +41,7 @@ class KVCacheManager:
     """Owns every request's block table. The scheduler asks it for room before it
     schedules tokens; the model runner only ever sees copies of the tables."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)

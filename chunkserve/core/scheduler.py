@@ -49,7 +49,7 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
-        self.prefix_cache_queries = 0  # prompt tokens of admitted requests (cumulative)
+        self.prefix_cache_queries = 0  # prompt tokens of requests admitted for the first time (cumulative)
         self.prefix_cache_hits = 0  # of those, found in the prefix cache
 
     # ----- queue management ---------------------------------------------------------
@@ -191,7 +191,8 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
-            step.count_prefix_query(request.num_tokens, num_cached)
+            if request.num_preemptions == 0:  # a recompute finding its own blocks is not prefix reuse
+                step.count_prefix_query(request.num_tokens, num_cached)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._admission_seq[request.request_id] = self._next_admission

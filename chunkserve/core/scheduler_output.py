@@ -49,7 +49,7 @@ class SchedulerOutput:
     new_requests: list[NewRequestData]
     finished_request_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_request_ids: set[str] = field(default_factory=set)
-    prefix_cache_queries: int = 0  # tokens of the requests admitted in this step
+    prefix_cache_queries: int = 0  # prompt tokens of the requests admitted for the first time in this step
     prefix_cache_hits: int = 0  # of those, found in the prefix cache (not computed)
 
     @property
@@ -112,7 +112,7 @@ class SchedulerStats:
     num_free_blocks: int
     num_blocks: int
     num_preemptions_total: int
-    prefix_cache_queries_total: int  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_queries_total: int  # prompt tokens of admitted requests (first admissions, not recomputes)
     prefix_cache_hits_total: int  # of those, found there
 
     @property

@@ -168,6 +168,7 @@ class AsyncLLM:
                 for command in self._take_commands(block=not busy):
                     if isinstance(command, _Stop):
                         self._notify(None, self._abort(None))
+                        self._fail_pending_commands(EngineDeadError("the engine is shutting down"))
                         command.done.set()
                         return
                     self._apply(command)
@@ -244,8 +245,8 @@ class AsyncLLM:
             observer(record, outputs, stats)
 
     def _fail_pending_commands(self, error: BaseException) -> None:
+        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(f"engine failed: {error!r}")
         for command in self._take_commands(block=False):
-            dead = EngineDeadError(f"engine failed: {error!r}")
             if isinstance(command, _Add):
                 command.loop.call_soon_threadsafe(_settle, command.accepted, dead)
             elif isinstance(command, _ResetPrefixCache):

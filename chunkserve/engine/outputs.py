@@ -55,7 +55,7 @@ class StepRecord:
     num_requests: int
     num_preemptions: int
     kv_cache_usage: float  # fraction of KV blocks in use after the step
-    prefix_cache_queries: int  # tokens of the requests admitted in this step
+    prefix_cache_queries: int  # prompt tokens of the requests admitted (for the first time) in this step
     prefix_cache_hits: int  # of those, found in the prefix cache
     prefix_cache_hit_rate: float  # hits / queries since the engine started
 

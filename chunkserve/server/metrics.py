@@ -44,7 +44,8 @@ class EngineMetrics:
         self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "KV cache blocks in the pool")
         self.num_preemptions = counter("num_preemptions", "Preemptions (by recompute)").labels(**labels)
         self.prefix_cache_queries = counter(
-            "prefix_cache_queries", "Prompt tokens of admitted requests looked up in the prefix cache").labels(**labels)
+            "prefix_cache_queries", "Prompt tokens of new requests looked up in the prefix cache (recomputes after "
+            "a preemption not counted)").labels(**labels)
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)").labels(**labels)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token").labels(

@@ -73,3 +73,11 @@ def test_reset_cache_needs_every_block_free():
     assert not pool.reset_cache()
     pool.free([a])
     assert pool.reset_cache() and pool.lookup(b"A") is None and pool.num_free_blocks == 2
+
+
+def test_blocks_holding_no_cached_prefix_are_reused_before_cached_ones():
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    pool.cache(a, b"A")
+    pool.free([a, b, c])
+    assert pool.allocate(2) == [c, b] and pool.lookup(b"A") == a

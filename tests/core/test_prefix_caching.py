@@ -31,9 +31,14 @@ def step(scheduler: Scheduler, runner: FakeRunner) -> None:
 
 
 def assert_references_match_tables(scheduler: Scheduler, output=None) -> None:
-    """Every block's reference count is the number of running requests holding it, and only
-    blocks nobody holds are free (so eviction can never take a block in use)."""
+    """Every block's reference count is the number of running requests holding it, only
+    blocks nobody holds are free (so eviction can never take a block in use), and a step
+    writes KV only into blocks that one request holds and no cache entry names."""
     pool = scheduler.kv.pool
+    for s in output.scheduled if output is not None else []:
+        first, last = s.num_computed_tokens // BLOCK, (s.num_computed_tokens + s.num_scheduled_tokens - 1) // BLOCK
+        for block_id in s.block_table[first : last + 1]:
+            assert pool.ref_count(block_id) == 1 and not pool.is_cached(block_id), f"{s.request_id} writes a shared block"
     holders = [0] * pool.num_blocks
     for r in scheduler.running:
         for block_id in scheduler.kv.block_table(r.request_id):
@@ -95,8 +100,8 @@ def test_outputs_are_the_same_with_caching_on_and_off(config):
     for caching in (True, False):
         scheduler, runner = make_scheduler(**config, enable_prefix_caching=caching), FakeRunner()
         workload = shared_prefix_workload(seed=7)
-        for r in workload:
-            r.priority = hash(r.request_id) % 3
+        for i, r in enumerate(workload):
+            r.priority = i % 3
         first_wave, second_wave = workload[: len(workload) // 2], workload[len(workload) // 2:]
         outputs[caching] = run(scheduler, first_wave, assert_references_match_tables, runner=runner)
         outputs[caching] |= run(scheduler, second_wave, assert_references_match_tables, runner=runner)
@@ -120,7 +125,7 @@ def test_a_preempted_request_finds_its_own_blocks_again():
     readmitted_hits = []
 
     def check(scheduler, output):
-        assert_references_match_tables(scheduler)
+        assert_references_match_tables(scheduler, output)
         for new in output.new_requests:  # first scheduling: never preempted yet
             assert new.request_id not in preempted
         for s in output.scheduled:

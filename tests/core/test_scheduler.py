@@ -11,6 +11,7 @@ under preemption if the scheduler recomputed exactly the right tokens.
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 
@@ -32,7 +33,7 @@ def make_scheduler(num_blocks: int = 1000, **overrides) -> Scheduler:
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, priority: int = 0,
                  arrival: float = 0.0) -> Request:
-    prompt = [(hash(request_id) + i) % 997 + 1 for i in range(prompt_len)]
+    prompt = [(zlib.crc32(request_id.encode()) + i) % 997 + 1 for i in range(prompt_len)]
     return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                    eos_token_id=EOS, priority=priority, arrival_time=arrival)
 
