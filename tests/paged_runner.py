@@ -15,7 +15,8 @@ BLOCK_SIZE = 16
 class PagedRunner:
     """Drives the model over a paged cache with deliberately scattered block tables."""
 
-    def __init__(self, model, config, num_blocks: int = 256) -> None:
+    def __init__(self, model, config, num_blocks: int = 256, decode_kernel=None) -> None:
+        self.decode_kernel = decode_kernel
         self.model, self.kv = model, allocate_kv_cache(config, model.embed_tokens.weight.dtype, num_blocks, BLOCK_SIZE)
         self.free = list(np.random.default_rng(0).permutation(num_blocks))
         self.tables: dict[str, list[int]] = {}
@@ -35,7 +36,7 @@ class PagedRunner:
                 table.append(int(self.free.pop()))
             scheduled.append(ScheduledRequest(request_id, start, count, list(table), True, count == 1 and start > 0))
             self.computed[request_id] += count
-        batch = build_forward_batch(scheduled, self.tokens, BLOCK_SIZE)
+        batch = build_forward_batch(scheduled, self.tokens, BLOCK_SIZE, self.decode_kernel)
         with torch.inference_mode():
             logits = self.model.compute_logits(self.model(batch.input_ids, batch.positions, self.kv, batch.attn))
         rows, row = {}, 0

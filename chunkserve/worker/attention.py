@@ -5,11 +5,13 @@ The flat batch puts decode rows first, then each prefill chunk:
     rows   | d0 d1 d2 | p0 p0 p0 p0 | p1 p1 |
            decodes      chunk of p0   chunk of p1
 
-Decodes are attended in groups of similar context length (each group's key lists padded
-to its longest, padding masked out; a group's longest is at most twice its shortest, so one
-long-context decode does not make every short one read and mask thousands of padded keys);
-each prefill chunk is attended on its own, its queries at positions [c, c+n)
-seeing keys [0, c + i] (the earlier chunks from the cache plus its own keys, causally).
+Decodes are attended in groups of similar context length. With the C++ op
+(worker/paged_ops.py) each decode reads its own keys in place through its block table; the
+plain-torch path (the reference) gathers each group's keys, padded to its longest and masked
+(a group's longest is at most twice its shortest, so one long-context decode does not make
+every short one read thousands of padded keys). Each prefill chunk is attended on its
+own, its queries at positions [c, c+n) seeing keys [0, c + i] (the earlier chunks from the
+cache plus its own keys, causally).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from chunkserve.worker.paged_ops import DecodeKernel
 
 
 @dataclass
@@ -31,8 +35,10 @@ class PrefillChunk:
 @dataclass
 class DecodeGroup:
     rows: torch.Tensor  # [B] rows of the flat batch (decode rows come first)
-    key_slots: torch.Tensor  # [B, max_len] KV slots of each decode's keys, padded with slot 0
-    mask: torch.Tensor  # [B, 1, 1, max_len] True = a real key
+    block_tables: torch.Tensor  # [B, max_blocks] each decode's blocks, padded with block 0
+    context_lens: torch.Tensor  # [B] keys each decode attends
+    key_slots: torch.Tensor | None = None  # [B, max_len] KV slots of each decode's keys, padded with slot 0
+    mask: torch.Tensor | None = None  # [B, 1, 1, max_len] True = a real key (both None for the in-place op)
 
 
 @dataclass
@@ -42,6 +48,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each row's new K/V is written
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    block_size: int
+    decode_kernel: DecodeKernel | None = None  # the in-place C++ op; None: gather in torch
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -56,6 +64,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, heads, head_dim]; caches: [num_slots, kv_heads, head_dim] -> [T, heads, head_dim]."""
     out = torch.empty_like(q)
     for group in meta.decode_groups:
+        if meta.decode_kernel is not None:
+            out[group.rows] = meta.decode_kernel(q[group.rows], k_cache, v_cache, group.block_tables,
+                                                 group.context_lens, meta.block_size, scale)
+            continue
         keys = k_cache[group.key_slots].transpose(1, 2)  # (B, kv_heads, L, D)
         values = v_cache[group.key_slots].transpose(1, 2)
         queries = q[group.rows].unsqueeze(2)  # (B, heads, 1, D)

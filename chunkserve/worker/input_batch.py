@@ -9,6 +9,7 @@ import torch
 
 from chunkserve.core.scheduler_output import ScheduledRequest
 from chunkserve.worker.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from chunkserve.worker.paged_ops import DecodeKernel
 
 
 @dataclass
@@ -21,9 +22,10 @@ class ForwardBatch:
 
 
 def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, list[int]],
-                        block_size: int) -> ForwardBatch:
-    """Flatten the step. Single-token rows (decodes) go first and share one batched
-    attention call; longer chunks follow, each attended on its own.
+                        block_size: int, decode_kernel: DecodeKernel | None = None) -> ForwardBatch:
+    """Flatten the step. Single-token rows (decodes) go first and are attended together:
+    all in one call of `decode_kernel`, which reads their blocks in place, or without it in
+    groups of similar context length; longer chunks follow, each attended on its own.
 
     `token_ids[request_id]` is the request's whole token list (prompt + output so far).
     """
@@ -55,8 +57,10 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, 
 
     attn = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(slots)),
-        decode_groups=[_decode_group(singles, rows, block_size) for rows in group_by_context(singles)],
+        decode_groups=_decode_groups(singles, block_size, gather=decode_kernel is None),
         prefills=prefills,
+        block_size=block_size,
+        decode_kernel=decode_kernel,
     )
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
@@ -100,9 +104,20 @@ def group_by_context(singles: list[ScheduledRequest]) -> list[list[int]]:
     return [sorted(group) for group in groups]
 
 
-def _decode_group(singles: list[ScheduledRequest], rows: list[int], block_size: int) -> DecodeGroup:
-    """Key slots `[B, max_len]` of the group's single-token rows, padded with slot 0, and the
-    mask `[B, 1, 1, max_len]` of real keys. Context lengths [3, 1] -> mask [[1,1,1],[1,0,0]]."""
+def _decode_groups(singles: list[ScheduledRequest], block_size: int, gather: bool) -> list[DecodeGroup]:
+    """One group of every decode for the in-place op; for the gathering path, groups of
+    similar context length with their key slots."""
+    if not singles:
+        return []
+    if not gather:
+        return [_decode_group(singles, list(range(len(singles))), block_size, gather)]
+    return [_decode_group(singles, rows, block_size, gather) for rows in group_by_context(singles)]
+
+
+def _decode_group(singles: list[ScheduledRequest], rows: list[int], block_size: int, gather: bool) -> DecodeGroup:
+    """Block tables `[B, max_blocks]` and context lengths of the group's single-token rows;
+    when `gather`, also their key slots `[B, max_len]`, padded with slot 0, and the mask
+    `[B, 1, 1, max_len]` of real keys. Context lengths [3, 1] -> mask [[1,1,1],[1,0,0]]."""
     members = [singles[i] for i in rows]
     context_lens = np.array([s.num_computed_tokens + 1 for s in members], dtype=np.int64)
     max_len = int(context_lens.max())
@@ -111,9 +126,13 @@ def _decode_group(singles: list[ScheduledRequest], rows: list[int], block_size: 
     for i, s in enumerate(members):
         used = s.block_table[:max_blocks]
         tables[i, : len(used)] = used
+    row_ids = torch.tensor(rows, dtype=torch.long)
+    block_tables, lens = torch.from_numpy(tables), torch.from_numpy(context_lens)
+    if not gather:
+        return DecodeGroup(row_ids, block_tables, lens)
     key_positions = np.arange(max_len, dtype=np.int64)
     key_slots = tables[:, key_positions // block_size] * block_size + key_positions % block_size
     mask = key_positions[None, :] < context_lens[:, None]
     key_slots = np.where(mask, key_slots, 0)
-    return DecodeGroup(torch.tensor(rows, dtype=torch.long), torch.from_numpy(key_slots),
+    return DecodeGroup(row_ids, block_tables, lens, torch.from_numpy(key_slots),
                        torch.from_numpy(mask)[:, None, None, :])

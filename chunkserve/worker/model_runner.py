@@ -9,17 +9,21 @@ from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
 from chunkserve.worker.input_batch import build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_cache
+from chunkserve.worker.paged_ops import decode_kernel_for
 from chunkserve.worker.sampler import SamplingState, gather_logprobs, sample
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int, seed: int) -> None:
+    def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int, seed: int,
+                 attention_backend: str = "auto") -> None:
         self.model = model
         self.block_size = block_size
         self.dtype = model.embed_tokens.weight.dtype
         self.kv_caches = allocate_kv_cache(config, self.dtype, num_blocks, block_size)
         self.generator = torch.Generator().manual_seed(seed)
         self._states: dict[str, SamplingState] = {}
+        # The in-place op is float32 only; other dtypes keep the torch attention.
+        self.decode_kernel = decode_kernel_for(attention_backend if self.dtype == torch.float32 else "torch")
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -31,7 +35,7 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
 
         token_ids = {s.request_id: self._states[s.request_id].token_ids for s in output.scheduled}
-        batch = build_forward_batch(output.scheduled, token_ids, self.block_size)
+        batch = build_forward_batch(output.scheduled, token_ids, self.block_size, self.decode_kernel)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         if not batch.sample_request_ids:
             return ModelRunnerOutput(sampled_token_ids={})

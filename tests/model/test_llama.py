@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chunkserve.model.loader import load_model, load_model_config, resolve_model
+from chunkserve.worker.paged_ops import decode_kernel_for
 
 from tests.paged_runner import PagedRunner, reference_logits
 
@@ -37,13 +38,22 @@ def test_prompt_logits_match_transformers_for_any_chunk_size(models, chunk):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-4)
 
 
+def decode_kernel_or_skip(backend: str):
+    try:
+        return decode_kernel_for(backend)
+    except Exception as error:
+        pytest.skip(f"the C++ op cannot be built on this machine: {error}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
 @pytest.mark.parametrize("chunk", [7, 64])
-def test_chunks_mixed_with_other_requests_decodes(models, chunk):
+def test_chunks_mixed_with_other_requests_decodes(models, chunk, backend):
     """A chunked prompt and four decoding requests share every forward; the decodes' contexts
-    differ enough to be attended in separate groups whose rows interleave."""
+    differ enough to be attended in separate groups whose rows interleave (torch), or are
+    read in place through their block tables (cpp)."""
     reference, model, config = models
     rng = np.random.default_rng(2)
-    runner = PagedRunner(model, config)
+    runner = PagedRunner(model, config, decode_kernel=decode_kernel_or_skip(backend))
     decoders = {f"d{i}": rng.integers(0, config.vocab_size, n).tolist() for i, n in enumerate((5, 80, 7, 33))}
     for request_id, tokens in decoders.items():
         runner.add(request_id, tokens)

@@ -1,0 +1,53 @@
+"""Decode step time with the in-place C++ attention op vs the plain-torch attention.
+
+For each scenario a batch of requests is prefilled, then decodes 32 tokens together; the
+number is the median duration of the steps that decode the whole batch (pure decode steps).
+Scenarios: 8 requests at context 64 and at context 1024, and 8 short (64) plus one long
+(2040) context. The torch path gathers every decode's keys and values into a contiguous
+tensor each step (grouped by context length); the C++ op reads them in place through the
+block tables. Backends alternate, `--repeats` times each; the median over repeats is shown.
+
+    .venv/bin/python benchmarks/decode_attention.py [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+from chunkserve import LLM, SamplingParams
+
+SCENARIOS = {"8 x ctx 64": [64] * 8, "8 x ctx 1024": [1024] * 8, "8 x ctx 64 + 1 x ctx 2040": [64] * 8 + [2040]}
+BACKENDS = ("torch", "cpp")
+
+
+def decode_step_ms(llm: LLM, prompt_lens: list[int], seed: int) -> float:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, 49000) for _ in range(n)] for n in prompt_lens]
+    before = len(llm.get_step_records())
+    llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True, temperature=0), use_tqdm=False)
+    steps = [r for r in llm.get_step_records()[before:]
+             if r.forward_mode.name == "DECODE" and r.num_decode_tokens == len(prompt_lens)]
+    return statistics.median(r.duration_s * 1000 for r in steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    engines = {b: LLM(max_num_batched_tokens=2048, kv_cache_memory_gb=1, attention_backend=b,
+                      enable_prefix_caching=False) for b in BACKENDS}
+    results: dict[tuple[str, str], list[float]] = {}
+    for repeat in range(args.repeats):
+        for name, lens in SCENARIOS.items():
+            for backend in BACKENDS:
+                results.setdefault((name, backend), []).append(decode_step_ms(engines[backend], lens, seed=repeat))
+    print(f"{'scenario':<28}{'torch ms':>10}{'cpp ms':>10}{'speed-up':>10}")
+    for name in SCENARIOS:
+        torch_ms, cpp_ms = (statistics.median(results[(name, b)]) for b in BACKENDS)
+        print(f"{name:<28}{torch_ms:>10.1f}{cpp_ms:>10.1f}{torch_ms / cpp_ms:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
