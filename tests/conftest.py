@@ -4,6 +4,7 @@ nothing downloaded) and the default SmolLM2 model with transformers' own load of
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -49,6 +50,18 @@ def tiny_model_dir(request, tmp_path_factory, default_tokenizer):
     model.save_pretrained(folder)
     default_tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def decode_kernel():
+    """The C++ decode attention op. Wherever a C++ compiler exists it must build (a failed
+    build fails the test); only a machine with no compiler at all skips, and there the engine
+    serves with the torch attention, whose fallback tests/worker/test_attention.py checks."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler on this machine; the engine falls back to the torch attention")
+    from chunkserve.worker.paged_ops import build_decode_kernel
+
+    return build_decode_kernel()
 
 
 @pytest.fixture(scope="session")

@@ -117,12 +117,11 @@ class KVCacheManager:
 
     # ----- block tables ----------------------------------------------------------------
 
-    def num_available_blocks(self, request_id: str, computed_blocks: Sequence[int] = ()) -> int:
-        """Blocks the request could hold in all: its table (or the cached blocks it would
-        take) plus every free block that is not one of those."""
-        held = self._block_tables.get(request_id) or computed_blocks
-        free_among_held = sum(1 for b in held if self.pool.ref_count(b) == 0)
-        return len(held) + self.pool.num_free_blocks - free_among_held
+    def num_available_blocks(self, computed_blocks: Sequence[int] = ()) -> int:
+        """Blocks a request not yet admitted could hold in all: the cached blocks it would
+        take plus every free block that is not one of those."""
+        free_among_computed = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
+        return len(computed_blocks) + self.pool.num_free_blocks - free_among_computed
 
     def allocate_slots(self, request_id: str, num_total_tokens: int,
                        computed_blocks: Sequence[int] = ()) -> list[int] | None:
@@ -135,7 +134,7 @@ class KVCacheManager:
         table = self._block_tables.get(request_id)
         if table is None:
             needed = self.num_blocks_for(num_total_tokens) - len(computed_blocks)
-            if needed > self.num_available_blocks(request_id, computed_blocks) - len(computed_blocks):
+            if needed > self.num_available_blocks(computed_blocks) - len(computed_blocks):
                 return None
             self.pool.touch(list(computed_blocks))  # first, so the allocation cannot evict them
             new_blocks = self.pool.allocate(needed)

@@ -178,7 +178,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
             cached_blocks, num_cached = self.kv.get_computed_blocks(request)
-            kv_room = self.kv.num_available_blocks(request.request_id, cached_blocks) * self.config.block_size
+            kv_room = self.kv.num_available_blocks(cached_blocks) * self.config.block_size
             num_tokens = self._chunk_len(request, num_cached, min(step.budget, kv_room - num_cached))
             if num_tokens == 0:
                 break

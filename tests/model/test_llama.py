@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from chunkserve.model.loader import load_model, load_model_config, resolve_model
-from chunkserve.worker.paged_ops import decode_kernel_for
 
 from tests.paged_runner import PagedRunner, reference_logits
 
@@ -38,22 +37,16 @@ def test_prompt_logits_match_transformers_for_any_chunk_size(models, chunk):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-4)
 
 
-def decode_kernel_or_skip(backend: str):
-    try:
-        return decode_kernel_for(backend)
-    except Exception as error:
-        pytest.skip(f"the C++ op cannot be built on this machine: {error}")
-
-
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 @pytest.mark.parametrize("chunk", [7, 64])
-def test_chunks_mixed_with_other_requests_decodes(models, chunk, backend):
+def test_chunks_mixed_with_other_requests_decodes(models, chunk, backend, request):
     """A chunked prompt and four decoding requests share every forward; the decodes' contexts
     differ enough to be attended in separate groups whose rows interleave (torch), or are
     read in place through their block tables (cpp)."""
     reference, model, config = models
     rng = np.random.default_rng(2)
-    runner = PagedRunner(model, config, decode_kernel=decode_kernel_or_skip(backend))
+    kernel = request.getfixturevalue("decode_kernel") if backend == "cpp" else None
+    runner = PagedRunner(model, config, decode_kernel=kernel)
     decoders = {f"d{i}": rng.integers(0, config.vocab_size, n).tolist() for i, n in enumerate((5, 80, 7, 33))}
     for request_id, tokens in decoders.items():
         runner.add(request_id, tokens)
