@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chunkserve.errors import InvalidRequestError
-from chunkserve.worker.paged_ops import ATTENTION_BACKENDS
+from chunkserve.worker.cpp_ops import OP_BACKENDS
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_CHUNKED_BUDGET = 512
@@ -76,9 +76,10 @@ class EngineArgs(CliArgs):
         True, "reuse the KV of full blocks shared with earlier requests (a SHA-256 hash chain over their tokens)"
     )
     scheduling_policy: str = _arg("fcfs", "order of admission and preemption", choices=SCHEDULING_POLICIES)
-    attention_backend: str = _arg(
-        "auto", "decode attention: cpp = a C++ op reading the paged KV in place (built on first use), torch = "
-        "gather the keys and use SDPA (the reference), auto = cpp where it builds", choices=ATTENTION_BACKENDS
+    op_backend: str = _arg(
+        "auto", "cpp = C++ ops (built on first use) for decode attention, reading the paged KV in place, and "
+        "for the linear layers of small batches; torch = plain torch (the reference); auto = cpp where it "
+        "builds", choices=OP_BACKENDS
     )
     seed: int = _arg(0, "seed of the sampler for requests that give none")
 
@@ -88,8 +89,8 @@ class EngineArgs(CliArgs):
 
         if self.dtype not in DTYPES:
             fail(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            fail(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.op_backend not in OP_BACKENDS:
+            fail(f"op_backend must be one of {OP_BACKENDS}, got {self.op_backend!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             fail(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.block_size < 1:

@@ -53,15 +53,15 @@ def tiny_model_dir(request, tmp_path_factory, default_tokenizer):
 
 
 @pytest.fixture(scope="session")
-def decode_kernel():
-    """The C++ decode attention op. Wherever a C++ compiler exists it must build (a failed
-    build fails the test); only a machine with no compiler at all skips, and there the engine
-    serves with the torch attention, whose fallback tests/worker/test_attention.py checks."""
+def cpp_ops():
+    """The worker's C++ ops. Wherever a C++ compiler exists they must build (a failed build
+    fails the test); only a machine with no compiler at all skips, and there the engine serves
+    with plain torch, whose fallback tests/worker/test_cpp_ops.py checks."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler on this machine; the engine falls back to the torch attention")
-    from chunkserve.worker.paged_ops import build_decode_kernel
+        pytest.skip("no C++ compiler on this machine; the engine falls back to plain torch")
+    from chunkserve.worker.cpp_ops import build_cpp_ops
 
-    return build_decode_kernel()
+    return build_cpp_ops()
 
 
 @pytest.fixture(scope="session")

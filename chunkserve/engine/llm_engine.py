@@ -62,7 +62,7 @@ class LLMEngine:
         model = load_model(self.source, self.model_config, args.dtype, self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, num_blocks)
         self.runner = ModelRunner(model, self.model_config, num_blocks, args.block_size, args.seed,
-                                  args.attention_backend)
+                                  args.op_backend)
         self._tracked: dict[str, _Tracked] = {}
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self.last_step_record: StepRecord | None = None  # of the last step(); None if it ran nothing

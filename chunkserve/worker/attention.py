@@ -6,7 +6,7 @@ The flat batch puts decode rows first, then each prefill chunk:
            decodes      chunk of p0   chunk of p1
 
 Decodes are attended in groups of similar context length. With the C++ op
-(worker/paged_ops.py) each decode reads its own keys in place through its block table; the
+(worker/cpp_ops.py) each decode reads its own keys in place through its block table; the
 plain-torch path (the reference) gathers each group's keys, padded to its longest and masked
 (a group's longest is at most twice its shortest, so one long-context decode does not make
 every short one read thousands of padded keys). Each prefill chunk is attended on its
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chunkserve.worker.paged_ops import DecodeKernel
+from chunkserve.worker.cpp_ops import DecodeKernel
 
 
 @dataclass

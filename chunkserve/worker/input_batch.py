@@ -9,7 +9,7 @@ import torch
 
 from chunkserve.core.scheduler_output import ScheduledRequest
 from chunkserve.worker.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from chunkserve.worker.paged_ops import DecodeKernel
+from chunkserve.worker.cpp_ops import DecodeKernel
 
 
 @dataclass

@@ -9,21 +9,24 @@ from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
 from chunkserve.worker.input_batch import build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_cache
-from chunkserve.worker.paged_ops import decode_kernel_for
+from chunkserve.worker.cpp_ops import cpp_ops_for
 from chunkserve.worker.sampler import SamplingState, gather_logprobs, sample
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int, seed: int,
-                 attention_backend: str = "auto") -> None:
+                 op_backend: str = "auto") -> None:
         self.model = model
         self.block_size = block_size
         self.dtype = model.embed_tokens.weight.dtype
         self.kv_caches = allocate_kv_cache(config, self.dtype, num_blocks, block_size)
         self.generator = torch.Generator().manual_seed(seed)
         self._states: dict[str, SamplingState] = {}
-        # The in-place op is float32 only; other dtypes keep the torch attention.
-        self.decode_kernel = decode_kernel_for(attention_backend if self.dtype == torch.float32 else "torch")
+        # The C++ ops are float32 only; other dtypes keep plain torch.
+        self.cpp_ops = cpp_ops_for(op_backend if self.dtype == torch.float32 else "torch")
+        self.decode_kernel = None if self.cpp_ops is None else self.cpp_ops.decode_attention
+        if self.cpp_ops is not None:
+            model.set_linear(self.cpp_ops.linear)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:

@@ -42,11 +42,12 @@ def test_prompt_logits_match_transformers_for_any_chunk_size(models, chunk):
 def test_chunks_mixed_with_other_requests_decodes(models, chunk, backend, request):
     """A chunked prompt and four decoding requests share every forward; the decodes' contexts
     differ enough to be attended in separate groups whose rows interleave (torch), or are
-    read in place through their block tables (cpp)."""
+    read in place through their block tables and the small steps' linear layers run by the
+    C++ kernel (cpp)."""
     reference, model, config = models
     rng = np.random.default_rng(2)
-    kernel = request.getfixturevalue("decode_kernel") if backend == "cpp" else None
-    runner = PagedRunner(model, config, decode_kernel=kernel)
+    ops = request.getfixturevalue("cpp_ops") if backend == "cpp" else None
+    runner = PagedRunner(model, config, cpp_ops=ops)
     decoders = {f"d{i}": rng.integers(0, config.vocab_size, n).tolist() for i, n in enumerate((5, 80, 7, 33))}
     for request_id, tokens in decoders.items():
         runner.add(request_id, tokens)

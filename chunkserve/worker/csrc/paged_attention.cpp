@@ -1,69 +1,111 @@
-// Decode attention that reads the paged KV cache in place.
+// Decode attention that reads the paged KV cache in place (split-K, as flash-decoding).
 //
 // One query row per request attends that request's keys 0 .. context_len - 1, found through
 // its block table (slot = table[p / block_size] * block_size + p % block_size): no gather of
-// the history into a contiguous tensor, no padding. Work is split over (request, kv head);
-// the query heads that share a kv head (GQA) are done together, so each key and value row is
-// read once per kv head.
-#include <torch/extension.h>
+// the history into a contiguous tensor, no padding. A request's positions are cut into
+// partitions of kPartitionBlocks blocks; each (request, partition) is one unit of parallel
+// work that reads whole slot rows (every kv head at once, so each block is one contiguous run
+// of memory the prefetcher can follow) and keeps a running max, sum and weighted value sum per
+// query head (online softmax). The partitions of a request are then merged.
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
 
-void decode_one(const float* q, const float* k_cache, const float* v_cache, float* out,
-                const int64_t* table, int64_t context_len, int64_t block_size, int64_t kv_head,
-                int64_t group, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                std::vector<float>& scores) {
-  const int64_t slot_stride = num_kv_heads * head_dim;
-  scores.resize(group * context_len);
-  const int64_t first_head = kv_head * group;
-  for (int64_t p = 0; p < context_len; ++p) {
-    const int64_t slot = table[p / block_size] * block_size + p % block_size;
-    const float* key = k_cache + slot * slot_stride + kv_head * head_dim;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* query = q + (first_head + g) * head_dim;
-      float dot = 0.f;
+constexpr int64_t kPartitionBlocks = 16;
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, group, block_size;
+  float scale;
+};
+
+// The running softmax state of one partition: per head, max, sum of exp, and sum of exp * v.
+struct Partial {
+  float* max;
+  float* sum;
+  float* acc;  // [num_heads, head_dim]
+};
+
+void attend_partition(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
+                      int64_t first_position, int64_t end_position, const Shape& s, Partial partial,
+                      std::vector<float>& scores) {
+  const int64_t slot_stride = s.num_kv_heads * s.head_dim, D = s.head_dim, H = s.num_heads;
+  scores.resize(H * s.block_size);
+  std::fill(partial.max, partial.max + H, -std::numeric_limits<float>::infinity());
+  std::fill(partial.sum, partial.sum + H, 0.f);
+  std::fill(partial.acc, partial.acc + H * D, 0.f);
+  for (int64_t start = first_position; start < end_position; start += s.block_size) {
+    const int64_t n = std::min(s.block_size, end_position - start);
+    const int64_t first_slot = table[start / s.block_size] * s.block_size;
+    const float* keys = k_cache + first_slot * slot_stride;
+    const float* values = v_cache + first_slot * slot_stride;
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t h = 0; h < H; ++h) {
+        const float* key = keys + i * slot_stride + (h / s.group) * D;
+        const float* query = q + h * D;
+        float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < head_dim; ++d) dot += query[d] * key[d];
-      scores[g * context_len + p] = dot * scale;
+        for (int64_t d = 0; d < D; ++d) dot += query[d] * key[d];
+        scores[h * s.block_size + i] = dot * s.scale;
+      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      float* row = scores.data() + h * s.block_size;
+      const float block_max = *std::max_element(row, row + n);
+      const float new_max = std::max(partial.max[h], block_max);
+      const float rescale = std::exp(partial.max[h] - new_max);  // 0 for the first block
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t i = 0; i < n; ++i) {
+        row[i] = std::exp(row[i] - new_max);
+        total += row[i];
+      }
+      partial.sum[h] = partial.sum[h] * rescale + total;
+      partial.max[h] = new_max;
+      float* acc = partial.acc + h * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
+      for (int64_t i = 0; i < n; ++i) {
+        const float* value = values + i * slot_stride + (h / s.group) * D;
+        const float weight = row[i];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] += weight * value[d];
+      }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores.data() + g * context_len;
-    const float top = *std::max_element(row, row + context_len);
+}
+
+// out[h] = sum_p exp(max_p - M) acc_p / sum_p exp(max_p - M) sum_p, M the largest max_p.
+void merge_partitions(const float* max, const float* sum, const float* acc, int64_t parts, const Shape& s,
+                      float* out) {
+  const int64_t H = s.num_heads, D = s.head_dim;
+  for (int64_t h = 0; h < H; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p) top = std::max(top, max[p * H + h]);
     float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t p = 0; p < context_len; ++p) {
-      row[p] = std::exp(row[p] - top);
-      total += row[p];
+    float* result = out + h * D;
+    std::fill(result, result + D, 0.f);
+    for (int64_t p = 0; p < parts; ++p) {
+      const float weight = std::exp(max[p * H + h] - top);
+      total += weight * sum[p * H + h];
+      const float* part = acc + (p * H + h) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) result[d] += weight * part[d];
     }
     const float inverse = 1.f / total;
-    for (int64_t p = 0; p < context_len; ++p) row[p] *= inverse;
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* result = out + (first_head + g) * head_dim;
-    std::fill(result, result + head_dim, 0.f);
-  }
-  for (int64_t p = 0; p < context_len; ++p) {
-    const int64_t slot = table[p / block_size] * block_size + p % block_size;
-    const float* value = v_cache + slot * slot_stride + kv_head * head_dim;
-    for (int64_t g = 0; g < group; ++g) {
-      const float weight = scores[g * context_len + p];
-      float* result = out + (first_head + g) * head_dim;
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) result[d] += weight * value[d];
-    }
+    for (int64_t d = 0; d < D; ++d) result[d] *= inverse;
   }
 }
 
 }  // namespace
 
-// q: [B, heads, head_dim]; caches: [num_slots, kv_heads, head_dim]; block_tables: [B, max_blocks]
-// (int64); context_lens: [B] (int64). Returns [B, heads, head_dim]. float32, contiguous.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      int64_t block_size, double scale) {
@@ -78,27 +120,47 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of kv heads");
-  const int64_t group = num_heads / num_kv_heads;
+  const Shape shape{num_heads, num_kv_heads, head_dim, num_heads / num_kv_heads, block_size,
+                    static_cast<float>(scale)};
   const int64_t max_blocks = block_tables.size(1);
-  auto out = torch::empty_like(q);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+
+  // Units of work: (request, partition of kPartitionBlocks blocks), numbered request by request.
+  const int64_t partition_len = kPartitionBlocks * block_size;
+  std::vector<int64_t> first_unit(batch + 1, 0);
+  std::vector<int64_t> unit_request;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "context length out of the block table");
+    const int64_t parts = (lens[b] + partition_len - 1) / partition_len;
+    first_unit[b + 1] = first_unit[b] + parts;
+    unit_request.insert(unit_request.end(), parts, b);
+  }
+  const int64_t units = first_unit[batch];
+  std::vector<float> max(units * num_heads), sum(units * num_heads), acc(units * num_heads * head_dim);
   const float* q_data = q.data_ptr<float>();
   const float* k_data = k_cache.data_ptr<float>();
   const float* v_data = v_cache.data_ptr<float>();
-  float* out_data = out.data_ptr<float>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t b = work / num_kv_heads, kv_head = work % num_kv_heads;
-      decode_one(q_data + b * num_heads * head_dim, k_data, v_data, out_data + b * num_heads * head_dim,
-                 tables + b * max_blocks, lens[b], block_size, kv_head, group, num_heads, num_kv_heads, head_dim,
-                 static_cast<float>(scale), scores);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = unit_request[unit];
+      const int64_t first_position = (unit - first_unit[b]) * partition_len;
+      const Partial partial{max.data() + unit * num_heads, sum.data() + unit * num_heads,
+                            acc.data() + unit * num_heads * head_dim};
+      attend_partition(q_data + b * num_heads * head_dim, k_data, v_data, tables + b * max_blocks, first_position,
+                       std::min(lens[b], first_position + partition_len), shape, partial, scores);
+    }
+  });
+  auto out = torch::empty_like(q);
+  float* out_data = out.data_ptr<float>();
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t unit = first_unit[b];
+      merge_partitions(max.data() + unit * num_heads, sum.data() + unit * num_heads,
+                       acc.data() + unit * num_heads * head_dim, first_unit[b + 1] - unit, shape,
+                       out_data + b * num_heads * head_dim);
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache, in place");
 }

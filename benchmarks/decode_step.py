@@ -18,7 +18,7 @@ import statistics
 
 from chunkserve import LLM, SamplingParams
 
-SCENARIOS = {"8 x ctx 64": [64] * 8, "8 x ctx 1024": [1024] * 8, "8 x ctx 64 + 1 x ctx 2040": [64] * 8 + [2040]}
+SCENARIOS = {"1 x ctx 64": [64], "8 x ctx 64": [64] * 8, "8 x ctx 1024": [1024] * 8, "8 x ctx 64 + 1 x ctx 2040": [64] * 8 + [2040]}
 BACKENDS = ("torch", "cpp")
 
 
@@ -36,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    engines = {b: LLM(max_num_batched_tokens=2048, kv_cache_memory_gb=1, attention_backend=b,
+    engines = {b: LLM(max_num_batched_tokens=2048, kv_cache_memory_gb=1, op_backend=b,
                       enable_prefix_caching=False) for b in BACKENDS}
     results: dict[tuple[str, str], list[float]] = {}
     for repeat in range(args.repeats):

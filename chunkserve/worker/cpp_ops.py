@@ -1,0 +1,94 @@
+"""The worker's C++ ops (csrc/), and the choice between them and plain torch.
+
+- `paged_decode_attention` (csrc/paged_attention.cpp): decode attention that reads each
+  request's KV in place through its block table.
+- `small_batch_linear` (csrc/small_batch_linear.cpp): the linear layers when a step has at
+  most `SMALL_BATCH_MAX_ROWS` rows, where MKL's GEMM is far from the weight-bandwidth bound.
+
+They are compiled with `torch.utils.cpp_extension` for the machine they run on (about a
+minute on 2 cores; the build is cached under ~/.cache/torch_extensions); `make install`
+builds them once (`build_report`). Where no C++ compiler is available the engine keeps plain
+torch, which is also the reference the tests compare the ops against.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+OP_BACKENDS = ("auto", "cpp", "torch")
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = [os.path.join(_CSRC, name) for name in ("ops.cpp", "paged_attention.cpp", "small_batch_linear.cpp")]
+
+# Up to this many rows the C++ linear beats MKL on every layer shape of SmolLM2-135M here
+# (benchmarks/small_batch_linear.py); above it MKL's blocked GEMM wins, for the MLP's
+# down projection (K = 1536) first.
+SMALL_BATCH_MAX_ROWS = 32
+
+# (q, k_cache, v_cache, block_tables, context_lens, block_size, scale) -> attention output
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
+                        torch.Tensor]
+# (x, weight, bias) -> x @ weight^T + bias, as F.linear
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CppOps:
+    decode_attention: DecodeKernel
+    small_batch_linear: LinearFn
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear, by the C++ kernel for a float32 batch of at most SMALL_BATCH_MAX_ROWS rows."""
+        if x.dim() == 2 and x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.dtype == torch.float32:
+            return self.small_batch_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+
+@functools.cache
+def build_cpp_ops() -> CppOps:
+    """Compile (or load the cached build of) the ops; raises if they cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    try:  # the `ninja` wheel's binary, which is not on PATH unless the venv is activated
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    logger.info("loading the C++ ops (compiled on first use: about a minute)")
+    module = load(name="chunkserve_cpp_ops", sources=_SOURCES, extra_include_paths=[_CSRC],
+                  extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    return CppOps(decode_attention=module.paged_decode_attention, small_batch_linear=module.small_batch_linear)
+
+
+def cpp_ops_for(backend: str) -> CppOps | None:
+    """The ops for `backend`: "cpp" must build, "auto" falls back to None (torch) with a
+    warning, "torch" is always None."""
+    if backend not in OP_BACKENDS:
+        raise ValueError(f"op backend must be one of {OP_BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return None
+    try:
+        return build_cpp_ops()
+    except Exception as error:  # no compiler, no ninja, a failed build
+        if backend == "cpp":
+            raise
+        logger.warning("the C++ ops could not be built (%s); using plain torch", error)
+        return None
+
+
+def build_report() -> str:
+    """Build the ops now (as `make install` does) and say whether it worked; never raises."""
+    try:
+        build_cpp_ops()
+        return "the C++ ops are built"
+    except Exception as error:  # reported, not fatal: the engine falls back to plain torch
+        return f"the C++ ops are not available here ({error}); plain torch will serve"

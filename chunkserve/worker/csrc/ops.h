@@ -1,0 +1,13 @@
+// The C++ ops of the CPU worker; bound to Python in ops.cpp, loaded by worker/cpp_ops.py.
+#pragma once
+
+#include <torch/extension.h>
+
+// q: [B, heads, head_dim]; caches: [num_slots, kv_heads, head_dim]; block_tables: [B, max_blocks]
+// (int64); context_lens: [B] (int64). Returns [B, heads, head_dim]. float32.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens,
+                                     int64_t block_size, double scale);
+
+// x: [M, K], weight: [N, K], bias: [N] or None; float32. Returns x @ weight^T + bias, [M, N].
+torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);

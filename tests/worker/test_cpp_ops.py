@@ -1,0 +1,63 @@
+"""The C++ small-batch linear against F.linear, and the choice between the C++ ops and torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chunkserve.worker import cpp_ops as cpp_ops_module
+from chunkserve.worker.cpp_ops import SMALL_BATCH_MAX_ROWS, CppOps, cpp_ops_for
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, SMALL_BATCH_MAX_ROWS])
+@pytest.mark.parametrize("features, depth", [(960, 576), (577, 1536), (5, 13), (3, 8)])
+def test_small_batch_linear_equals_f_linear(cpp_ops, rows, features, depth):
+    """Row counts across the 8-row tile, depths with and without a vector tail, odd features."""
+    generator = torch.Generator().manual_seed(rows * features)
+    x = torch.randn(rows, depth, generator=generator)
+    weight = torch.randn(features, depth, generator=generator)
+    bias = torch.randn(features, generator=generator)
+    torch.testing.assert_close(cpp_ops.small_batch_linear(x, weight, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpp_ops.small_batch_linear(x, weight, bias), F.linear(x, weight, bias),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_small_batch_linear_takes_a_non_contiguous_input(cpp_ops):
+    x = torch.randn(40, 64)[::5]  # 8 rows with a stride of 5 rows
+    weight = torch.randn(32, 64)
+    torch.testing.assert_close(cpp_ops.small_batch_linear(x, weight, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+
+
+def test_linear_hands_only_small_float32_batches_to_the_kernel():
+    rows_seen = []
+
+    def recording_kernel(x, weight, bias):
+        rows_seen.append(x.shape[0])
+        return F.linear(x, weight, bias)
+
+    ops = CppOps(decode_attention=lambda *args: None, small_batch_linear=recording_kernel)
+    weight = torch.randn(16, 8)
+    for rows in (1, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 1, 512):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(ops.linear(x, weight), F.linear(x, weight))
+    ops.linear(torch.randn(4, 8, dtype=torch.float64), weight.double())
+    assert rows_seen == [1, SMALL_BATCH_MAX_ROWS]
+
+
+def test_backend_choice(cpp_ops):
+    assert cpp_ops_for("torch") is None
+    assert cpp_ops_for("auto") is cpp_ops and cpp_ops_for("cpp") is cpp_ops
+    with pytest.raises(ValueError, match="op backend must be one of"):
+        cpp_ops_for("cuda")
+
+
+def test_auto_falls_back_to_torch_where_the_ops_cannot_build(monkeypatch, caplog):
+    def failed_build():
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpp_ops_module, "build_cpp_ops", failed_build)
+    assert cpp_ops_for("auto") is None
+    assert "could not be built (no C++ compiler); using plain torch" in caplog.text
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        cpp_ops_for("cpp")
