@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from chunkserve.core.scheduler_output import ScheduledRequest
+from chunkserve.model.ops import TORCH_OPS
 from chunkserve.worker.input_batch import build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_cache
 
@@ -17,9 +17,9 @@ class PagedRunner:
     """Drives the model over a paged cache with deliberately scattered block tables."""
 
     def __init__(self, model, config, num_blocks: int = 256, cpp_ops=None) -> None:
-        """`cpp_ops`: run decode attention and small-batch linears by the C++ ops (None: plain torch)."""
+        """`cpp_ops`: compute through the C++ ops (None: plain torch)."""
         self.decode_kernel = None if cpp_ops is None else cpp_ops.decode_attention
-        model.set_linear(F.linear if cpp_ops is None else cpp_ops.linear)
+        model.set_ops(TORCH_OPS if cpp_ops is None else cpp_ops.model_ops())
         self.model, self.kv = model, allocate_kv_cache(config, model.embed_tokens.weight.dtype, num_blocks, BLOCK_SIZE)
         self.free = list(np.random.default_rng(0).permutation(num_blocks))
         self.tables: dict[str, list[int]] = {}

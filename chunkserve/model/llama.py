@@ -2,38 +2,44 @@
 
 Every linear layer runs once over all T rows of the step (prefill chunks and decodes
 together: SARATHI's piggybacking); only attention looks at request boundaries. Q/K/V and
-gate/up are fused into one matmul each when the weights are loaded.
+gate/up are fused into one matmul each when the weights are loaded, each residual add into
+the norm that follows it, and the arithmetic goes through `ModelOps` (model/ops.py), which
+the worker may swap for its C++ ops.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from chunkserve.model.config import ModelConfig
+from chunkserve.model.ops import TORCH_OPS, ModelOps
 from chunkserve.worker.attention import AttentionMetadata, paged_attention, write_kv
-from chunkserve.worker.cpp_ops import LinearFn
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose matmul the runner may replace (`LlamaModel.set_linear`): at decode batch
-    sizes a kernel that streams the weights once beats MKL's GEMM by ~2x on this CPU."""
+class UsesOps:
+    """A module that computes through the model's `ModelOps` (set by `LlamaModel.set_ops`)."""
 
-    matmul: LinearFn = F.linear
+    ops: ModelOps = TORCH_OPS
 
+
+class Linear(nn.Linear, UsesOps):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, UsesOps):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused with the next norm."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -48,15 +54,12 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos() * scaling  # [max_positions, head_dim // 2]
         self.sin = freqs.sin() * scaling
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim] rotated at `positions` [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # (T, 1, D/2)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim // 2] at `positions` [T]: looked up once per step, used by every layer."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, UsesOps):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -68,7 +71,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_rows = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -77,22 +80,21 @@ class Attention(nn.Module):
         v = v.view(num_rows, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, positions), rotary(k, positions)
+        q, k = self.ops.rotary(q, k, *rotary)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.view(num_rows, self.q_size))
 
 
-class MLP(nn.Module):
+class MLP(nn.Module, UsesOps):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -103,10 +105,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual` is the stream so far and `hidden` the last sublayer's output to add to it
+        (at the first layer: the embeddings, residual None). Returns the MLP's output and the
+        stream before it; the caller's next norm adds them."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -119,27 +130,28 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
-        self.matmul: LinearFn = F.linear
+        self.ops = TORCH_OPS
 
-    def set_linear(self, matmul: LinearFn) -> None:
-        """Run every linear layer and the LM head through `matmul` (same contract as F.linear)."""
-        self.matmul = matmul
+    def set_ops(self, ops: ModelOps) -> None:
+        """Compute every layer (and the LM head) through `ops`."""
+        self.ops = ops
         for module in self.modules():
-            if isinstance(module, Linear):
-                module.matmul = matmul
+            if isinstance(module, UsesOps):
+                module.ops = ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
+        rotary = self.rotary(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
-        return self.norm(x)
+            hidden, residual = layer(hidden, residual, rotary, kv_cache, meta)
+        return self.norm.add_forward(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> float32 logits [R, vocab]; called only for rows that sample."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.matmul(hidden, weight, None).float()
+        return self.ops.linear(hidden, weight, None).float()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face-named tensors, fusing q/k/v and gate/up."""

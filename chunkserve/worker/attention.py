@@ -64,9 +64,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, heads, head_dim]; caches: [num_slots, kv_heads, head_dim] -> [T, heads, head_dim]."""
     out = torch.empty_like(q)
     for group in meta.decode_groups:
-        if meta.decode_kernel is not None:
-            out[group.rows] = meta.decode_kernel(q[group.rows], k_cache, v_cache, group.block_tables,
-                                                 group.context_lens, meta.block_size, scale)
+        if meta.decode_kernel is not None:  # one group: every decode, rows 0 .. B-1 (slices, not index copies)
+            num_decodes = len(group.context_lens)
+            attended = meta.decode_kernel(q[:num_decodes], k_cache, v_cache, group.block_tables,
+                                          group.context_lens, meta.block_size, scale)
+            if not meta.prefills:
+                return attended
+            out[:num_decodes] = attended
             continue
         keys = k_cache[group.key_slots].transpose(1, 2)  # (B, kv_heads, L, D)
         values = v_cache[group.key_slots].transpose(1, 2)

@@ -4,6 +4,11 @@
   request's KV in place through its block table.
 - `small_batch_linear` (csrc/small_batch_linear.cpp): the linear layers when a step has at
   most `SMALL_BATCH_MAX_ROWS` rows, where MKL's GEMM is far from the weight-bandwidth bound.
+- `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
+  layer's small ops, one call each instead of a chain of torch calls.
+
+The last five reach the model as a `ModelOps` (model/ops.py), whose plain-torch set
+`TORCH_OPS` they are tested against.
 
 They are compiled with `torch.utils.cpp_extension` for the machine they run on (about a
 minute on 2 cores; the build is cached under ~/.cache/torch_extensions); `make install`
@@ -22,11 +27,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from chunkserve.model.ops import ModelOps
+
 logger = logging.getLogger(__name__)
 
 OP_BACKENDS = ("auto", "cpp", "torch")
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = [os.path.join(_CSRC, name) for name in ("ops.cpp", "paged_attention.cpp", "small_batch_linear.cpp")]
+_SOURCES = [os.path.join(_CSRC, name)
+            for name in ("ops.cpp", "paged_attention.cpp", "small_batch_linear.cpp", "elementwise.cpp")]
 
 # Up to this many rows the C++ linear beats MKL on every layer shape of SmolLM2-135M here
 # (benchmarks/small_batch_linear.py); above it MKL's blocked GEMM wins, for the MLP's
@@ -36,14 +44,22 @@ SMALL_BATCH_MAX_ROWS = 32
 # (q, k_cache, v_cache, block_tables, context_lens, block_size, scale) -> attention output
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
                         torch.Tensor]
-# (x, weight, bias) -> x @ weight^T + bias, as F.linear
-LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class CppOps:
+    """The compiled functions, as bound from csrc/ops.cpp (signatures in csrc/ops.h)."""
+
     decode_attention: DecodeKernel
-    small_batch_linear: LinearFn
+    small_batch_linear: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[..., torch.Tensor]
+
+    def model_ops(self) -> ModelOps:
+        return ModelOps(linear=self.linear, rms_norm=self.rms_norm, add_rms_norm=self.add_rms_norm,
+                        rotary=self.rotary_embedding, silu_and_mul=self.silu_and_mul)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear, by the C++ kernel for a float32 batch of at most SMALL_BATCH_MAX_ROWS rows."""
@@ -66,7 +82,9 @@ def build_cpp_ops() -> CppOps:
     logger.info("loading the C++ ops (compiled on first use: about a minute)")
     module = load(name="chunkserve_cpp_ops", sources=_SOURCES, extra_include_paths=[_CSRC],
                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    return CppOps(decode_attention=module.paged_decode_attention, small_batch_linear=module.small_batch_linear)
+    return CppOps(decode_attention=module.paged_decode_attention, small_batch_linear=module.small_batch_linear,
+                  rms_norm=module.rms_norm, add_rms_norm=module.add_rms_norm,
+                  rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul)
 
 
 def cpp_ops_for(backend: str) -> CppOps | None:

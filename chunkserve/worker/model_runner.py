@@ -26,7 +26,7 @@ class ModelRunner:
         self.cpp_ops = cpp_ops_for(op_backend if self.dtype == torch.float32 else "torch")
         self.decode_kernel = None if self.cpp_ops is None else self.cpp_ops.decode_attention
         if self.cpp_ops is not None:
-            model.set_linear(self.cpp_ops.linear)
+            model.set_ops(self.cpp_ops.model_ops())
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:

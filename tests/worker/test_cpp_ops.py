@@ -1,13 +1,17 @@
-"""The C++ small-batch linear against F.linear, and the choice between the C++ ops and torch."""
+"""The C++ ops against their plain-torch references (F.linear, TORCH_OPS), and the choice
+between the C++ ops and torch."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from chunkserve.worker import cpp_ops as cpp_ops_module
-from chunkserve.worker.cpp_ops import SMALL_BATCH_MAX_ROWS, CppOps, cpp_ops_for
+from chunkserve.model.ops import TORCH_OPS
+from chunkserve.worker.cpp_ops import SMALL_BATCH_MAX_ROWS, cpp_ops_for
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, SMALL_BATCH_MAX_ROWS])
@@ -29,20 +33,53 @@ def test_small_batch_linear_takes_a_non_contiguous_input(cpp_ops):
     torch.testing.assert_close(cpp_ops.small_batch_linear(x, weight, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
 
 
-def test_linear_hands_only_small_float32_batches_to_the_kernel():
+def test_linear_hands_only_small_float32_batches_to_the_kernel(cpp_ops):
     rows_seen = []
 
     def recording_kernel(x, weight, bias):
         rows_seen.append(x.shape[0])
         return F.linear(x, weight, bias)
 
-    ops = CppOps(decode_attention=lambda *args: None, small_batch_linear=recording_kernel)
+    ops = dataclasses.replace(cpp_ops, small_batch_linear=recording_kernel)
     weight = torch.randn(16, 8)
     for rows in (1, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 1, 512):
         x = torch.randn(rows, 8)
         torch.testing.assert_close(ops.linear(x, weight), F.linear(x, weight))
     ops.linear(torch.randn(4, 8, dtype=torch.float64), weight.double())
     assert rows_seen == [1, SMALL_BATCH_MAX_ROWS]
+
+
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_layer_ops_equal_the_torch_reference(cpp_ops, rows):
+    generator = torch.Generator().manual_seed(rows)
+    ours, reference = cpp_ops.model_ops(), TORCH_OPS
+
+    def close(got, expected):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+    x, residual = torch.randn(rows, 576, generator=generator), torch.randn(rows, 576, generator=generator)
+    weight = torch.randn(576, generator=generator)
+    close(ours.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+    heads = torch.randn(rows, 9, 64, generator=generator)[:, 1:7]  # not contiguous: a view of every row
+    close(ours.rms_norm(heads, weight[:64], 1e-6), reference.rms_norm(heads, weight[:64], 1e-6))
+
+    expected_norm, expected_residual = reference.add_rms_norm(x, residual.clone(), weight, 1e-5)
+    got_norm, got_residual = ours.add_rms_norm(x, residual, weight, 1e-5)
+    close(got_norm, expected_norm)
+    close(got_residual, expected_residual)
+
+    qkv = torch.randn(rows, 960, generator=generator)  # q, k, v as views of one row, as in the layer
+    angles = torch.rand(rows, 32, generator=generator) * 100
+    cos, sin = angles.cos(), angles.sin()
+    q, k, _ = qkv.clone().split([576, 192, 192], dim=-1)
+    expected_q, expected_k = reference.rotary(q.view(rows, 9, 64), k.view(rows, 3, 64), cos, sin)
+    q, k, _ = qkv.clone().split([576, 192, 192], dim=-1)
+    got_q, got_k = ours.rotary(q.view(rows, 9, 64), k.view(rows, 3, 64), cos, sin)
+    close(got_q, expected_q)
+    close(got_k, expected_k)
+
+    gate_up = torch.randn(rows, 2 * 1536, generator=generator) * 4
+    close(ours.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
 
 
 def test_backend_choice(cpp_ops):

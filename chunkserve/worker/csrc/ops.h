@@ -11,3 +11,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 // x: [M, K], weight: [N, K], bias: [N] or None; float32. Returns x @ weight^T + bias, [M, N].
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+
+// Over the last dim: x * rsqrt(mean(x^2) + eps) * weight. float32.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+
+// residual += x (in place), then (rms_norm(residual), residual).
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                                                      double eps);
+
+// Neox-style rotary embedding of q [T, heads, D] and k [T, kv_heads, D], in place; cos, sin [T, D / 2].
+std::tuple<torch::Tensor, torch::Tensor> rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+                                                          torch::Tensor sin);
+
+// x [T, 2I] -> silu(x[:, :I]) * x[:, I:], [T, I].
+torch::Tensor silu_and_mul(torch::Tensor x);
