@@ -151,7 +151,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> float32 logits [R, vocab]; called only for rows that sample."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, weight, None).float()
+        return self.ops.logits(hidden, weight, None).float()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face-named tensors, fusing q/k/v and gate/up."""

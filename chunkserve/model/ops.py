@@ -21,6 +21,7 @@ Tensor = torch.Tensor
 @dataclass(frozen=True)
 class ModelOps:
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor]  # as F.linear
+    logits: Callable[[Tensor, Tensor, Tensor | None], Tensor]  # the LM head's F.linear (a vocab-sized output)
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # (x, weight, eps), over the last dim
     # (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual); may update residual in place
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
@@ -53,5 +54,5 @@ def _silu_and_mul(x: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-TORCH_OPS = ModelOps(linear=F.linear, rms_norm=_rms_norm, add_rms_norm=_add_rms_norm, rotary=_rotary,
+TORCH_OPS = ModelOps(linear=F.linear, logits=F.linear, rms_norm=_rms_norm, add_rms_norm=_add_rms_norm, rotary=_rotary,
                      silu_and_mul=_silu_and_mul)

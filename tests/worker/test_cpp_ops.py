@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from chunkserve.worker import cpp_ops as cpp_ops_module
 from chunkserve.model.ops import TORCH_OPS
-from chunkserve.worker.cpp_ops import SMALL_BATCH_MAX_ROWS, cpp_ops_for
+from chunkserve.worker.cpp_ops import LOGITS_MAX_ROWS, SMALL_BATCH_MAX_ROWS, cpp_ops_for
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, SMALL_BATCH_MAX_ROWS])
@@ -33,7 +33,7 @@ def test_small_batch_linear_takes_a_non_contiguous_input(cpp_ops):
     torch.testing.assert_close(cpp_ops.small_batch_linear(x, weight, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
 
 
-def test_linear_hands_only_small_float32_batches_to_the_kernel(cpp_ops):
+def test_linears_hand_only_small_float32_batches_to_the_kernel(cpp_ops):
     rows_seen = []
 
     def recording_kernel(x, weight, bias):
@@ -47,6 +47,10 @@ def test_linear_hands_only_small_float32_batches_to_the_kernel(cpp_ops):
         torch.testing.assert_close(ops.linear(x, weight), F.linear(x, weight))
     ops.linear(torch.randn(4, 8, dtype=torch.float64), weight.double())
     assert rows_seen == [1, SMALL_BATCH_MAX_ROWS]
+    rows_seen.clear()
+    for rows in (SMALL_BATCH_MAX_ROWS + 1, LOGITS_MAX_ROWS, LOGITS_MAX_ROWS + 1):
+        ops.logits(torch.randn(rows, 8), weight)
+    assert rows_seen == [SMALL_BATCH_MAX_ROWS + 1, LOGITS_MAX_ROWS]
 
 
 @pytest.mark.parametrize("rows", [1, 8, 300])
