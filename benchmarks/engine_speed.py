@@ -12,6 +12,12 @@ What is measured
   transformers: one forward over the whole prompt with `logits_to_keep=1` under
   `torch.inference_mode()`.
   Each side runs one untimed warm-up, then `--repeats` timed runs; the median is reported.
+* Prefill efficiency (issue 5, target 3): the prefill's useful FLOPs (every linear layer,
+  causal attention counted as half the square, the LM head for the one sampled row) over its
+  time, against the fp32 GEMM peak measured right before it (`torch.mm` of two 2048 x 2048
+  matrices, the best of 3): each timed prefill run gets its own peak, and the median of the
+  ratios is reported (this host's speed drifts by 1.5x within minutes); and the chunked
+  prefill's time over the unchunked one.
 * Decode tokens/s at each batch size of `--decode-batches` (64-token prompts,
   `--decode-steps` output tokens, EOS ignored); tokens/s = batch / median decode-step time.
   chunkserve: the median duration of the pure-DECODE steps with the whole batch running
@@ -51,6 +57,7 @@ from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteri
 
 from chunkserve import LLM, RequestOutput, SamplingParams
 from chunkserve.core.scheduler_output import ForwardMode
+from chunkserve.model.config import ModelConfig
 from chunkserve.model.loader import default_model_path
 
 TOKEN_ID_RANGE = (100, 40000)
@@ -82,6 +89,9 @@ class EngineJob:
 class Results:
     machine: str
     prefill_tok_s: dict[str, float] = field(default_factory=dict)  # "chunkserve <config>" / "transformers"
+    prefill_gflop: float = 0.0  # useful work of one prefill
+    gemm_peak_gflop_s: dict[str, float] = field(default_factory=dict)  # "chunkserve <config>" -> median peak
+    prefill_of_peak: dict[str, float] = field(default_factory=dict)  # "chunkserve <config>" -> median ratio
     decode_tok_s: dict[str, dict[int, float]] = field(default_factory=dict)  # system -> batch -> tok/s
     interference: list[dict[str, Any]] = field(default_factory=list)
 
@@ -135,6 +145,30 @@ def ours_prefill_s(llm: LLM, prompt_len: int, rng: np.random.Generator) -> float
     return sum(r.duration_s for r in steps)
 
 
+def prefill_gflop(config: ModelConfig, prompt_len: int) -> float:
+    """Useful FLOPs of a `prompt_len` prefill: the linear layers for every token, causal attention
+    (query i sees i + 1 keys: QK and PV, 2 FLOPs per multiply-add), the LM head for one row."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    linear_per_token = 2 * (config.hidden_size * (q + 2 * kv) + q * config.hidden_size
+                            + 3 * config.hidden_size * config.intermediate_size)
+    attention = 2 * 2 * q * prompt_len * (prompt_len + 1) / 2
+    lm_head = 2 * config.hidden_size * config.vocab_size
+    return (config.num_layers * (prompt_len * linear_per_token + attention) + lm_head) / 1e9
+
+
+def gemm_peak_gflop_s(repeats: int) -> float:
+    """fp32 GEMM throughput here and now: the best of `repeats` 2048^3 matmuls."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2 * 2048**3 / best / 1e9
+
+
+def _timed(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
 def ours_decode_tok_s(llm: LLM, batch: int, steps: int, rng: np.random.Generator) -> float:
     """batch / the median duration of the pure-decode steps that ran the whole batch."""
     first = len(llm.get_step_records())
@@ -184,8 +218,13 @@ def run_engine_job(job: EngineJob, args: argparse.Namespace, rng: np.random.Gene
     llm = load_engine(job.engine_args, rng)
     if job.prefill:
         log(f"chunkserve, {job.label}: prefill")
-        seconds = median_of_repeats(lambda: ours_prefill_s(llm, args.prefill_len, rng), args.repeats)
-        results.prefill_tok_s[f"chunkserve {job.label}"] = args.prefill_len / seconds
+        results.prefill_gflop = prefill_gflop(llm.engine.model_config, args.prefill_len)
+        ours_prefill_s(llm, args.prefill_len, rng)  # warm-up
+        runs = [(gemm_peak_gflop_s(3), ours_prefill_s(llm, args.prefill_len, rng)) for _ in range(args.repeats)]
+        key = f"chunkserve {job.label}"
+        results.prefill_tok_s[key] = args.prefill_len / statistics.median(s for _, s in runs)
+        results.gemm_peak_gflop_s[key] = statistics.median(peak for peak, _ in runs)
+        results.prefill_of_peak[key] = statistics.median(results.prefill_gflop / s / peak for peak, s in runs)
     if job.decode:
         log(f"chunkserve, {job.label}: decode")
         results.decode_tok_s["chunkserve"] = {
@@ -287,6 +326,20 @@ def speed_table(results: Results, prefill_len: int) -> str:
     return format_table(["metric", "chunkserve", "transformers", "ratio"], rows)
 
 
+def prefill_efficiency_table(results: Results, prefill_len: int) -> str:
+    unchunked_s = prefill_len / results.prefill_tok_s["chunkserve unchunked"]
+    rows = []
+    for config in ("unchunked", f"chunked {PREFILL_CHUNK_BUDGET}"):
+        key = f"chunkserve {config}"
+        seconds = prefill_len / results.prefill_tok_s[key]
+        rows.append([config, f"{seconds:.2f}", f"{results.prefill_gflop / seconds:.0f}",
+                     f"{results.gemm_peak_gflop_s[key]:.0f}", f"{100 * results.prefill_of_peak[key]:.0f}%",
+                     f"{seconds / unchunked_s:.2f}x"])
+    headers = ["prefill config", "time s (median)", "GFLOP/s", "GEMM peak GFLOP/s (median)", "of peak (median)",
+               "time vs unchunked"]
+    return format_table(headers, rows)
+
+
 def interference_table(results: Results) -> str:
     rows = [
         [r["config"], f"{r['gap_p50_ms']:.1f}", f"{r['gap_p99_ms']:.1f}", f"{r['gap_max_ms']:.1f}",
@@ -337,6 +390,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {machine}")
     print(f"model: {os.path.basename(default_model_path())} (float32)\n")
     print(speed_table(results, args.prefill_len) + "\n")
+    print(f"prefill efficiency: {results.prefill_gflop:.0f} GFLOP of useful work in a {args.prefill_len}-token prefill")
+    print(prefill_efficiency_table(results, args.prefill_len) + "\n")
     print(f"long-prompt interference: {INTERFERENCE_DECODERS} decoders ({INTERFERENCE_PROMPT_LEN}-token prompts, "
           f"{INTERFERENCE_OUTPUT_LEN} output tokens), a {args.prefill_len}-token prompt arrives after "
           f"{STEPS_BEFORE_LONG_PROMPT} steps")
