@@ -77,9 +77,9 @@ class EngineArgs(CliArgs):
     )
     scheduling_policy: str = _arg("fcfs", "order of admission and preemption", choices=SCHEDULING_POLICIES)
     op_backend: str = _arg(
-        "auto", "cpp = C++ ops (built on first use) for decode attention, reading the paged KV in place, and "
-        "for the linear layers of small batches; torch = plain torch (the reference); auto = cpp where it "
-        "builds", choices=OP_BACKENDS
+        "auto", "cpp = C++ ops (built on first use): decode attention reading the paged KV in place, the "
+        "linear layers of small batches, fused norm/rotary/SiLU; torch = plain torch (the reference); auto = "
+        "cpp where it builds", choices=OP_BACKENDS
     )
     seed: int = _arg(0, "seed of the sampler for requests that give none")
 
