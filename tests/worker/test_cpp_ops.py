@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chunkserve.worker import cpp_ops as cpp_ops_module
 from chunkserve.model.ops import TORCH_OPS
+from chunkserve.worker import cpp_ops as cpp_ops_module
 from chunkserve.worker.cpp_ops import LOGITS_MAX_ROWS, SMALL_BATCH_MAX_ROWS, cpp_ops_for
 
 

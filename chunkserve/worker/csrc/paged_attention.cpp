@@ -8,6 +8,7 @@
 // of memory the prefetcher can follow) and keeps a running max, sum and weighted value sum per
 // query head (online softmax). The partitions of a request are then merged.
 #include "ops.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 
@@ -32,31 +33,97 @@ struct Partial {
   float* acc;  // [num_heads, head_dim]
 };
 
+// scores[i] = scale * q . key_i for the n keys of a block (slot_stride floats apart).
+#ifdef CHUNKSERVE_AVX2
+template <int DV>  // head_dim = 8 * DV: four keys at a time, four independent FMA chains
+void block_scores_avx2(const float* q, const float* keys, int64_t slot_stride, int64_t n, float scale,
+                       float* scores) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float* key = keys + i * slot_stride;
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int v = 0; v < DV; ++v) {
+      const __m256 query = _mm256_loadu_ps(q + 8 * v);
+      s0 = _mm256_fmadd_ps(query, _mm256_loadu_ps(key + 8 * v), s0);
+      s1 = _mm256_fmadd_ps(query, _mm256_loadu_ps(key + slot_stride + 8 * v), s1);
+      s2 = _mm256_fmadd_ps(query, _mm256_loadu_ps(key + 2 * slot_stride + 8 * v), s2);
+      s3 = _mm256_fmadd_ps(query, _mm256_loadu_ps(key + 3 * slot_stride + 8 * v), s3);
+    }
+    scores[i] = horizontal_sum(s0) * scale;
+    scores[i + 1] = horizontal_sum(s1) * scale;
+    scores[i + 2] = horizontal_sum(s2) * scale;
+    scores[i + 3] = horizontal_sum(s3) * scale;
+  }
+  for (; i < n; ++i) {
+    __m256 sum = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int v = 0; v < DV; ++v)
+      sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), _mm256_loadu_ps(keys + i * slot_stride + 8 * v), sum);
+    scores[i] = horizontal_sum(sum) * scale;
+  }
+}
+
+// acc += sum_i weights[i] * value_i, the accumulator held in registers across the block.
+template <int DV>
+void accumulate_values_avx2(const float* weights, const float* values, int64_t slot_stride, int64_t n, float* acc) {
+  __m256 sum[DV];
+#pragma GCC unroll 16
+  for (int v = 0; v < DV; ++v) sum[v] = _mm256_loadu_ps(acc + 8 * v);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 weight = _mm256_set1_ps(weights[i]);
+#pragma GCC unroll 16
+    for (int v = 0; v < DV; ++v)
+      sum[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(values + i * slot_stride + 8 * v), sum[v]);
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < DV; ++v) _mm256_storeu_ps(acc + 8 * v, sum[v]);
+}
+#endif
+
+void block_scores(const float* q, const float* keys, int64_t slot_stride, int64_t n, int64_t D, float scale,
+                  float* scores) {
+#ifdef CHUNKSERVE_AVX2
+  if (D == 64) return block_scores_avx2<8>(q, keys, slot_stride, n, scale, scores);
+  if (D == 128) return block_scores_avx2<16>(q, keys, slot_stride, n, scale, scores);
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    const float* key = keys + i * slot_stride;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * key[d];
+    scores[i] = dot * scale;
+  }
+}
+
+void accumulate_values(const float* weights, const float* values, int64_t slot_stride, int64_t n, int64_t D,
+                       float* acc) {
+#ifdef CHUNKSERVE_AVX2
+  if (D == 64) return accumulate_values_avx2<8>(weights, values, slot_stride, n, acc);
+  if (D == 128) return accumulate_values_avx2<16>(weights, values, slot_stride, n, acc);
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    const float* value = values + i * slot_stride;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += weights[i] * value[d];
+  }
+}
+
 void attend_partition(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
                       int64_t first_position, int64_t end_position, const Shape& s, Partial partial,
                       std::vector<float>& scores) {
   const int64_t slot_stride = s.num_kv_heads * s.head_dim, D = s.head_dim, H = s.num_heads;
-  scores.resize(H * s.block_size);
+  scores.resize(s.block_size);
   std::fill(partial.max, partial.max + H, -std::numeric_limits<float>::infinity());
   std::fill(partial.sum, partial.sum + H, 0.f);
   std::fill(partial.acc, partial.acc + H * D, 0.f);
+  float* row = scores.data();
   for (int64_t start = first_position; start < end_position; start += s.block_size) {
     const int64_t n = std::min(s.block_size, end_position - start);
     const int64_t first_slot = table[start / s.block_size] * s.block_size;
-    const float* keys = k_cache + first_slot * slot_stride;
-    const float* values = v_cache + first_slot * slot_stride;
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t h = 0; h < H; ++h) {
-        const float* key = keys + i * slot_stride + (h / s.group) * D;
-        const float* query = q + h * D;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += query[d] * key[d];
-        scores[h * s.block_size + i] = dot * s.scale;
-      }
-    }
-    for (int64_t h = 0; h < H; ++h) {
-      float* row = scores.data() + h * s.block_size;
+    for (int64_t h = 0; h < H; ++h) {  // the block's keys stay in L1 across the heads of a group
+      const int64_t head_offset = first_slot * slot_stride + (h / s.group) * D;
+      block_scores(q + h * D, k_cache + head_offset, slot_stride, n, D, s.scale, row);
       const float block_max = *std::max_element(row, row + n);
       const float new_max = std::max(partial.max[h], block_max);
       const float rescale = std::exp(partial.max[h] - new_max);  // 0 for the first block
@@ -71,12 +138,7 @@ void attend_partition(const float* q, const float* k_cache, const float* v_cache
       float* acc = partial.acc + h * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* value = values + i * slot_stride + (h / s.group) * D;
-        const float weight = row[i];
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] += weight * value[d];
-      }
+      accumulate_values(row, v_cache + head_offset, slot_stride, n, D, acc);
     }
   }
 }

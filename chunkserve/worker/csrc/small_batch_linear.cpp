@@ -8,28 +8,18 @@
 // weight rows) are split over the threads in slices whose weights fit in L1, so a batch of more
 // than 8 rows re-reads a slice from L1, not from memory.
 #include "ops.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
 constexpr int kRowTile = 8;
 constexpr int64_t kSliceBytes = 32 * 1024;
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float horizontal_sum(__m256 v) {
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  return _mm_cvtss_f32(half);
-}
-
+#ifdef CHUNKSERVE_AVX2
 // y[r * ldy] = x[r] . w for r < Rows (one feature, Rows rows of x).
 template <int Rows>
 inline void dot_rows(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
