@@ -120,7 +120,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(nn.Module, UsesOps):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -130,11 +130,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
-        self.ops = TORCH_OPS
 
     def set_ops(self, ops: ModelOps) -> None:
         """Compute every layer (and the LM head) through `ops`."""
-        self.ops = ops
         for module in self.modules():
             if isinstance(module, UsesOps):
                 module.ops = ops
