@@ -7,7 +7,7 @@ Scenarios: 8 requests at context 64 and at context 1024, and 8 short (64) plus o
 tensor each step (grouped by context length); the C++ op reads them in place through the
 block tables. Backends alternate, `--repeats` times each; the median over repeats is shown.
 
-    .venv/bin/python benchmarks/decode_attention.py [--repeats 2]
+    .venv/bin/python benchmarks/decode_step.py [--repeats 2]
 """
 
 from __future__ import annotations
