@@ -1,11 +1,14 @@
-"""Decode step time with the in-place C++ attention op vs the plain-torch attention.
+"""Decode step time with the C++ ops (`--op-backend cpp`) vs plain torch.
 
 For each scenario a batch of requests is prefilled, then decodes 32 tokens together; the
-number is the median duration of the steps that decode the whole batch (pure decode steps).
-Scenarios: 8 requests at context 64 and at context 1024, and 8 short (64) plus one long
-(2040) context. The torch path gathers every decode's keys and values into a contiguous
-tensor each step (grouped by context length); the C++ op reads them in place through the
-block tables. Backends alternate, `--repeats` times each; the median over repeats is shown.
+number is the median duration of the steps that decode the whole batch (pure decode steps),
+the TBT a stream sees without interference. Scenarios: 1 and 8 requests at context 64, 8 at
+context 1024, and 8 short (64) plus one long (2040) context. With torch the linear layers are
+MKL's GEMM, attention gathers every decode's keys and values into a contiguous tensor each
+step (grouped by context length), and norms, rotary and SiLU are chains of torch calls; with
+cpp the small-batch linear kernel streams the weights once, attention reads the KV in place
+through the block tables, and the small ops are fused (chunkserve/worker/csrc/). Backends
+alternate, `--repeats` times each; the median over repeats is shown.
 
     .venv/bin/python benchmarks/decode_step.py [--repeats 2]
 """
