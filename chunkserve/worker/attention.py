@@ -62,23 +62,22 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim]; caches: [num_slots, kv_heads, head_dim] -> [T, heads, head_dim]."""
+    in_place = meta.decode_kernel is not None and bool(meta.decode_groups)
+    if in_place and not meta.prefills:
+        return _decode_in_place(q, k_cache, v_cache, meta, scale)  # a pure decode step: no copy of the output
     out = torch.empty_like(q)
-    for group in meta.decode_groups:
-        if meta.decode_kernel is not None:  # one group: every decode, rows 0 .. B-1 (slices, not index copies)
-            num_decodes = len(group.context_lens)
-            attended = meta.decode_kernel(q[:num_decodes], k_cache, v_cache, group.block_tables,
-                                          group.context_lens, meta.block_size, scale)
-            if not meta.prefills:
-                return attended
-            out[:num_decodes] = attended
-            continue
-        keys = k_cache[group.key_slots].transpose(1, 2)  # (B, kv_heads, L, D)
-        values = v_cache[group.key_slots].transpose(1, 2)
-        queries = q[group.rows].unsqueeze(2)  # (B, heads, 1, D)
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
-        )
-        out[group.rows] = attended.squeeze(2)
+    if in_place:
+        decodes = _decode_in_place(q, k_cache, v_cache, meta, scale)
+        out[: decodes.shape[0]] = decodes
+    else:
+        for group in meta.decode_groups:
+            keys = k_cache[group.key_slots].transpose(1, 2)  # (B, kv_heads, L, D)
+            values = v_cache[group.key_slots].transpose(1, 2)
+            queries = q[group.rows].unsqueeze(2)  # (B, heads, 1, D)
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
+            )
+            out[group.rows] = attended.squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_rows)
         keys = k_cache[chunk.key_slots].transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, D)
@@ -89,3 +88,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         )
         out[rows] = attended.squeeze(0).transpose(0, 1)
     return out
+
+
+def _decode_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The C++ op over the one group of every decode, rows 0 .. B-1 (a slice, not an index copy)."""
+    (group,) = meta.decode_groups
+    return meta.decode_kernel(q[: len(group.context_lens)], k_cache, v_cache, group.block_tables,
+                              group.context_lens, meta.block_size, scale)
