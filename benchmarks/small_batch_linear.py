@@ -2,8 +2,10 @@
 
 For SmolLM2-135M's layer shapes (fused qkv, o, fused gate/up, down: one weight per layer, 30
 layers, so the weights come from memory as in a real step; the LM head once) and a range of
-row counts: the time of all of them, per shape. This is how `SMALL_BATCH_MAX_ROWS` in
-chunkserve/worker/cpp_ops.py was chosen. Weights are random: only shapes matter here.
+row counts: the time of all of them, per shape, by MKL, by the C++ kernel on float32 weights,
+and by the C++ kernel on the GGUF blocks the default model ships (Q4_1 layers, a Q8_0 LM
+head). This is how `SMALL_BATCH_MAX_ROWS` in chunkserve/worker/cpp_ops.py was chosen. Weights
+are random: only shapes matter here.
 
     .venv/bin/python benchmarks/small_batch_linear.py [--rows 1 8 16 32 64] [--repeats 5]
 """
@@ -15,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import gguf
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +25,7 @@ from chunkserve.worker.cpp_ops import build_cpp_ops
 
 LAYERS = 30
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 
 
 def median_ms(run: Callable[[], object], repeats: int) -> float:
@@ -39,20 +43,31 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48, 64])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    kernel = build_cpp_ops().small_batch_linear
-    weights = {name: [torch.randn(shape) for _ in range(1 if name == "lm_head" else LAYERS)]
-               for name, shape in SHAPES.items()}
-    print(f"{'rows':>5}{'MKL ms':>9}{'C++ ms':>9}{'speed-up':>10}   per shape, MKL / C++ ms")
+    ops = build_cpp_ops()
+    weights, blocks = {}, {}
+    for name, shape in SHAPES.items():
+        copies = 1 if name == "lm_head" else LAYERS
+        weights[name] = [torch.randn(shape) for _ in range(copies)]
+        block_type = Q8_0 if name == "lm_head" else Q4_1
+        quantized = torch.from_numpy(gguf.quants.quantize(weights[name][0].numpy(), block_type))
+        blocks[name] = [(quantized.clone(), int(block_type)) for _ in range(copies)]  # distinct memory, as 30 layers
+    print(f"{'rows':>5}{'MKL ms':>9}{'C++ ms':>9}{'blocks ms':>11}{'C++/MKL':>9}{'blocks/MKL':>12}"
+          "   per shape, MKL / C++ / blocks ms")
     for rows in args.rows:
-        mkl_total = cpp_total = 0.0
+        totals = [0.0, 0.0, 0.0]
         per_shape = []
         for name, shape in SHAPES.items():
             x = torch.randn(rows, shape[1])
-            mkl = median_ms(lambda: [F.linear(x, w) for w in weights[name]], args.repeats)
-            cpp = median_ms(lambda: [kernel(x, w, None) for w in weights[name]], args.repeats)
-            mkl_total, cpp_total = mkl_total + mkl, cpp_total + cpp
-            per_shape.append(f"{name} {mkl:.1f}/{cpp:.1f}")
-        print(f"{rows:>5}{mkl_total:>9.1f}{cpp_total:>9.1f}{mkl_total / cpp_total:>9.2f}x   " + ", ".join(per_shape))
+            times = [
+                median_ms(lambda: [F.linear(x, w) for w in weights[name]], args.repeats),
+                median_ms(lambda: [ops.small_batch_linear(x, w, None) for w in weights[name]], args.repeats),
+                median_ms(lambda: [ops.block_quantized_linear(x, b, t, None) for b, t in blocks[name]], args.repeats),
+            ]
+            totals = [total + t for total, t in zip(totals, times)]
+            per_shape.append(f"{name} " + "/".join(f"{t:.1f}" for t in times))
+        mkl, cpp, quantized = totals
+        print(f"{rows:>5}{mkl:>9.1f}{cpp:>9.1f}{quantized:>11.1f}{mkl / cpp:>8.2f}x{mkl / quantized:>11.2f}x   "
+              + ", ".join(per_shape))
 
 
 if __name__ == "__main__":

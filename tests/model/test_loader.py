@@ -15,18 +15,50 @@ from chunkserve.model.loader import load_model, load_model_config, resolve_model
 from tests.paged_runner import PagedRunner, reference_logits
 
 
-def test_default_gguf_logits_match_transformers_load(hf_default_model):
+@pytest.fixture(scope="module")
+def default_gguf():
     source = resolve_model(None)
     assert source.kind == "gguf"
     config = load_model_config(source)
+    return load_model(source, config, "float32", 1024), config
+
+
+def test_default_gguf_logits_match_transformers_load(default_gguf, hf_default_model):
+    model, config = default_gguf
     assert (config.architecture, config.num_layers, config.num_kv_heads, config.tie_word_embeddings) == (
         "LlamaForCausalLM", 30, 3, True)
-    model = load_model(source, config, "float32", 1024)
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, 100).tolist()
     runner = PagedRunner(model, config)
     runner.add("a", prompt)
     got = torch.cat([runner.step({"a": 48})["a"], runner.step({"a": 52})["a"]])
     torch.testing.assert_close(got, reference_logits(hf_default_model, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_default_gguf_keeps_the_blocks_of_its_quantized_linears(default_gguf):
+    """Q4_1 layers and the Q8_0 tied LM head keep their blocks, rows in the float weight's
+    order (the rotary un-permutation and the q/k/v and gate/up fusion applied to them too)."""
+    import gguf
+
+    model, config = default_gguf
+    layer = model.layers[config.num_layers - 1]
+    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    for linear, expected_type in [(linear, "Q4_1") for linear in linears] + [(model, "Q8_0")]:
+        blocks = linear.embedding_blocks if linear is model else linear.blocks
+        weight = model.embed_tokens.weight if linear is model else linear.weight
+        assert blocks.ggml_type == gguf.GGMLQuantizationType[expected_type]
+        dequantized = gguf.quants.dequantize(blocks.blocks.numpy(), blocks.ggml_type)
+        assert torch.equal(torch.from_numpy(dequantized), weight)
+
+
+def test_default_gguf_decodes_from_its_blocks_with_transformers_logits(default_gguf, hf_default_model, cpp_ops):
+    """Decode steps (one row: under SMALL_BATCH_MAX_ROWS) run the C++ linear on the Q4_1 blocks
+    and the LM head on the Q8_0 blocks; the logits stay transformers' own."""
+    model, config = default_gguf
+    prompt = np.random.default_rng(1).integers(0, config.vocab_size, 40).tolist()
+    runner = PagedRunner(model, config, cpp_ops=cpp_ops)
+    runner.add("a", prompt)
+    got = [runner.step({"a": 30})["a"]] + [runner.step({"a": 1})["a"] for _ in range(10)]
+    torch.testing.assert_close(torch.cat(got), reference_logits(hf_default_model, prompt), atol=1e-4, rtol=1e-4)
 
 
 def test_bfloat16_is_selectable_and_close(tiny_model_dir):

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from chunkserve.model.ops import TORCH_OPS
+from chunkserve.model.ops import BLOCK_TYPES, TORCH_OPS, BlockWeight
 from chunkserve.worker import cpp_ops as cpp_ops_module
 from chunkserve.worker.cpp_ops import LOGITS_MAX_ROWS, SMALL_BATCH_MAX_ROWS, cpp_ops_for
 
@@ -25,6 +27,34 @@ def test_small_batch_linear_equals_f_linear(cpp_ops, rows, features, depth):
     torch.testing.assert_close(cpp_ops.small_batch_linear(x, weight, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cpp_ops.small_batch_linear(x, weight, bias), F.linear(x, weight, bias),
                                rtol=1e-4, atol=1e-4)
+
+
+def quantized(weight: torch.Tensor, type_name: str) -> tuple[BlockWeight, torch.Tensor]:
+    """`weight` as GGUF blocks, and the floats those blocks stand for."""
+    ggml_type = gguf.GGMLQuantizationType[type_name]
+    blocks = gguf.quants.quantize(weight.numpy(), ggml_type)
+    return BlockWeight(int(ggml_type), torch.from_numpy(blocks)), torch.from_numpy(gguf.quants.dequantize(blocks, ggml_type))
+
+
+@pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, SMALL_BATCH_MAX_ROWS])
+@pytest.mark.parametrize("features, depth", [(960, 576), (7, 1536), (3, 32)])
+def test_block_quantized_linear_equals_f_linear_on_the_dequantized_weight(cpp_ops, type_name, rows, features, depth):
+    """Every row tile and feature tail, over each block type's nibble or byte layout."""
+    generator = torch.Generator().manual_seed(rows * features + depth)
+    x = torch.randn(rows, depth, generator=generator)
+    blocks, weight = quantized(torch.randn(features, depth, generator=generator), type_name)
+    bias = torch.randn(features, generator=generator)
+    got = cpp_ops.block_quantized_linear(x, blocks.blocks, blocks.ggml_type, bias)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+
+
+def test_block_quantized_linear_names_a_bad_type_or_shape(cpp_ops):
+    blocks, _ = quantized(torch.randn(4, 64), "Q4_1")
+    with pytest.raises(RuntimeError, match="ggml type 12 is not Q4_0 \\(2\\), Q4_1 \\(3\\) or Q8_0 \\(8\\)"):
+        cpp_ops.block_quantized_linear(torch.randn(1, 64), blocks.blocks, 12, None)
+    with pytest.raises(RuntimeError, match="x must be \\[M, 64\\]"):
+        cpp_ops.block_quantized_linear(torch.randn(1, 32), blocks.blocks, blocks.ggml_type, None)
 
 
 def test_small_batch_linear_takes_a_non_contiguous_input(cpp_ops):
@@ -51,6 +81,24 @@ def test_linears_hand_only_small_float32_batches_to_the_kernel(cpp_ops):
     for rows in (SMALL_BATCH_MAX_ROWS + 1, LOGITS_MAX_ROWS, LOGITS_MAX_ROWS + 1):
         ops.logits(torch.randn(rows, 8), weight)
     assert rows_seen == [SMALL_BATCH_MAX_ROWS + 1, LOGITS_MAX_ROWS]
+
+
+def test_a_weight_with_blocks_is_read_from_them_up_to_the_same_row_limits(cpp_ops):
+    block_rows_seen = []
+
+    def recording_kernel(x, blocks, ggml_type, bias):
+        block_rows_seen.append(x.shape[0])
+        return cpp_ops.block_quantized_linear(x, blocks, ggml_type, bias)
+
+    ops = dataclasses.replace(cpp_ops, block_quantized_linear=recording_kernel,
+                              small_batch_linear=lambda *args: pytest.fail("the float kernel ran"))
+    blocks, weight = quantized(torch.randn(16, 64), "Q8_0")
+    for rows in (1, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 1):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(ops.linear(x, weight, None, blocks), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    ops.logits(torch.randn(LOGITS_MAX_ROWS, 64), weight, None, blocks)
+    ops.logits(torch.randn(LOGITS_MAX_ROWS + 1, 64), weight, None, blocks)
+    assert block_rows_seen == [1, SMALL_BATCH_MAX_ROWS, LOGITS_MAX_ROWS]
 
 
 @pytest.mark.parametrize("rows", [1, 8, 300])

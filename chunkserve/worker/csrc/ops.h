@@ -12,6 +12,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // x: [M, K], weight: [N, K], bias: [N] or None; float32. Returns x @ weight^T + bias, [M, N].
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 
+// The same with the weight as GGUF blocks: blocks [N, K / 32 * block bytes] (uint8) of ggml type
+// Q4_0 (2), Q4_1 (3) or Q8_0 (8); the result equals x @ dequantize(blocks)^T + bias.
+torch::Tensor block_quantized_linear(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
+                                     c10::optional<torch::Tensor> bias);
+
 // Over the last dim: x * rsqrt(mean(x^2) + eps) * weight. float32.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 
