@@ -14,6 +14,7 @@ from transformers import (
 )
 
 from chunkserve import SamplingParams
+from chunkserve.worker import sampler
 from chunkserve.worker.sampler import SamplingState, sample
 
 VOCAB = 12
@@ -115,3 +116,12 @@ def test_a_seeded_row_draws_the_same_whatever_shares_the_batch(logits):
     assert seeded_draws(3, 5, default_seed=1) == alone
     assert seeded_draws(1, 2, default_seed=2) == alone
     assert len(set(alone)) > 1  # it really samples
+
+
+@pytest.mark.parametrize("uniform, expected", [(0.0, 1), (0.5, 2), (1 - 2**-24, 2)])
+def test_a_draw_never_lands_on_a_token_of_zero_probability(monkeypatch, uniform, expected):
+    """The inverse-CDF draw at the ends of [0, 1): the zero-probability tokens before and after
+    the possible ones are never chosen."""
+    probs = torch.tensor([[0.0, 0.3, 0.7, 0.0, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: torch.full(shape, uniform))
+    assert sampler._draw(probs, [None], torch.Generator()).tolist() == [expected]

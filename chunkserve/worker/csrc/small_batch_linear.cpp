@@ -49,7 +49,10 @@ inline void dot_tile(const float* x, int64_t K, const float* w, float* y, int64_
   for (int64_t k = 0; k < k8; k += 8) {
     __m256 weights[F];
 #pragma GCC unroll 8
-    for (int f = 0; f < F; ++f) weights[f] = _mm256_loadu_ps(w + f * K + k);
+    for (int f = 0; f < F; ++f) {
+      weights[f] = _mm256_loadu_ps(w + f * K + k);
+      asm("" : "+x"(weights[f]));  // keep it in a register: folded into each FMA it would be loaded R times
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m256 row = _mm256_loadu_ps(x + r * K + k);
