@@ -18,7 +18,8 @@ MODEL=${VLLM_MODEL:-$PEERS_DIR/smollm2-hf}
 [[ -f $MODEL/config.json ]] || { echo "no model folder at $MODEL: run benchmarks/peers/setup.sh" >&2; exit 1; }
 
 # tcmalloc (Debian libtcmalloc-minimal4) and the venv's Intel OpenMP runtime, preloaded.
-TCMALLOC=$(/sbin/ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')
+# (awk reads to the end: exiting at the first match would SIGPIPE ldconfig, fatal under pipefail)
+TCMALLOC=$(/sbin/ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 / && !found {found = $NF} END {print found}')
 TCMALLOC=${TCMALLOC:-/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4}
 IOMP=$(find "$VENV" -name libiomp5.so -print -quit)
 [[ -f $TCMALLOC ]] || { echo "missing $TCMALLOC (apt-get install libtcmalloc-minimal4)" >&2; exit 1; }

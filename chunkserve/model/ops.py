@@ -29,7 +29,7 @@ BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 class BlockWeight:
     """A weight matrix as a GGUF file stores it: each row a run of 32-weight blocks of
     `ggml_type` (one of BLOCK_TYPES). A decode step reads every weight once, and these bytes
-    are 4-7x fewer than float32's."""
+    are 3.8x (Q8_0) to 7x (Q4_0) fewer than float32's."""
 
     ggml_type: int
     blocks: Tensor  # uint8 [out_features, in_features // 32 * bytes per block]
@@ -42,7 +42,6 @@ class BlockWeight:
         if len(types) != 1 or None in types:
             return None
         return BlockWeight(types.pop(), torch.cat([part.blocks for part in parts]))
-
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
 - `small_batch_linear` (csrc/small_batch_linear.cpp): the linear layers when a step has at
   most `SMALL_BATCH_MAX_ROWS` rows, where MKL's GEMM is far from the weight-bandwidth bound;
   `block_quantized_linear` is the same reading a GGUF model's Q4_0/Q4_1/Q8_0 blocks instead
-  of their float32 dequantization (4-7x fewer bytes per step, the same result).
+  of their float32 dequantization (3.8-7x fewer bytes per step, the same result).
 - `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
   layer's small ops, one call each instead of a chain of torch calls.
 

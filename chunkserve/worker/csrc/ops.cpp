@@ -1,11 +1,17 @@
 #include "ops.h"
 
+// Every op releases the GIL while it computes: the server's event loop (detokenizing and
+// streaming the last step's tokens) runs its Python during the engine's kernels instead of
+// waiting for them to return, as it already does during torch's own ops.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache, in place");
-  m.def("small_batch_linear", &small_batch_linear, "x @ weight^T (+ bias) for a few rows of x");
-  m.def("block_quantized_linear", &block_quantized_linear, "x @ weight^T (+ bias), the weight as GGUF blocks");
-  m.def("rms_norm", &rms_norm, "RMS norm over the last dim");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMS norm of the residual");
-  m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k, in place");
-  m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half");
+  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache, in place",
+        release_gil());
+  m.def("small_batch_linear", &small_batch_linear, "x @ weight^T (+ bias) for a few rows of x", release_gil());
+  m.def("block_quantized_linear", &block_quantized_linear, "x @ weight^T (+ bias), the weight as GGUF blocks",
+        release_gil());
+  m.def("rms_norm", &rms_norm, "RMS norm over the last dim", release_gil());
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMS norm of the residual", release_gil());
+  m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k, in place", release_gil());
+  m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half", release_gil());
 }
