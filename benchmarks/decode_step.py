@@ -6,9 +6,10 @@ the TBT a stream sees without interference. Scenarios: 1 and 8 requests at conte
 context 1024, and 8 short (64) plus one long (2040) context. With torch the linear layers are
 MKL's GEMM, attention gathers every decode's keys and values into a contiguous tensor each
 step (grouped by context length), and norms, rotary and SiLU are chains of torch calls; with
-cpp the small-batch linear kernel streams the weights once, attention reads the KV in place
-through the block tables, and the small ops are fused (chunkserve/worker/csrc/). Backends
-alternate, `--repeats` times each; the median over repeats is shown.
+cpp the small-batch linear kernel streams the weights once (the default GGUF's Q4_1 and Q8_0
+blocks as they are), attention reads the KV in place through the block tables, and the small
+ops are fused (chunkserve/worker/csrc/). Backends alternate, `--repeats` times each; the
+median over repeats is shown.
 
     .venv/bin/python benchmarks/decode_step.py [--repeats 2]
 """
