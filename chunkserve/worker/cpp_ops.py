@@ -38,10 +38,10 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_CSRC, name)
             for name in ("ops.cpp", "paged_attention.cpp", "small_batch_linear.cpp", "elementwise.cpp")]
 
-# Up to this many rows the C++ linear beats MKL on every layer shape of SmolLM2-135M here
-# (benchmarks/small_batch_linear.py); above it MKL's blocked GEMM wins, for the MLP's
-# down projection (K = 1536) first.
-SMALL_BATCH_MAX_ROWS = 32
+# Up to this many rows the C++ linear beats or equals MKL on every layer shape of
+# SmolLM2-135M here (benchmarks/small_batch_linear.py); above it MKL's blocked GEMM wins, for
+# the MLP's down projection (K = 1536) first.
+SMALL_BATCH_MAX_ROWS = 64
 # The LM head (49152 x 576) is a shape MKL handles poorly: the C++ kernel is faster up to
 # 256 rows (29 vs 49 ms at 64 rows, 134 vs 171 ms at 256), slower at 512.
 LOGITS_MAX_ROWS = 256

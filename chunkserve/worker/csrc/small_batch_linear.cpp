@@ -32,7 +32,7 @@ constexpr int64_t kBlockWeights = 32;
 // keeps R x F independent FMA chains (an FMA waits ~5 cycles for the one before it in its
 // chain) and loads R + F vectors for R x F FMAs, the loads being the limit here.
 template <int R>
-constexpr int kFeatureTile = R == 1 ? 4 : (R == 2 ? 4 : (R == 3 ? 3 : 2));
+constexpr int kFeatureTile = R == 1 ? 4 : (R == 2 ? 4 : 3);
 
 #ifdef CHUNKSERVE_AVX2
 // y[r * ldy + f] = x[r] . w[f] for r < R, f < F: R rows of x (K floats apart) against F weight
@@ -46,6 +46,7 @@ inline void dot_tile(const float* x, int64_t K, const float* w, float* y, int64_
 #pragma GCC unroll 8
     for (int f = 0; f < F; ++f) acc[r][f] = _mm256_setzero_ps();
   const int64_t k8 = K - K % 8;
+#pragma GCC unroll 2  // two steps of K in flight: the loads of the next overlap the FMAs of this one
   for (int64_t k = 0; k < k8; k += 8) {
     __m256 weights[F];
 #pragma GCC unroll 8
