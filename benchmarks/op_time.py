@@ -96,7 +96,8 @@ def main() -> None:
     print(f"torch.mm 2048^3 peak: {peak_before:.0f} GFLOP/s before, {peak_after:.0f} after")
     for name, total in sorted(seconds.items(), key=lambda item: -item[1]):
         print(f"  {name:26s} {total:7.2f} s  {100 * total / wall:5.1f}%")
-    print(f"  linear layers: {linear_flop[0] / 1e12:.2f} TFLOP at {linear_flop[0] / seconds['linear'] / 1e9:.0f} GFLOP/s")
+    rate = linear_flop[0] / seconds["linear"] / 1e9
+    print(f"  linear layers: {linear_flop[0] / 1e12:.2f} TFLOP at {rate:.0f} GFLOP/s")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import gguf
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,7 +32,8 @@ def quantized(weight: torch.Tensor, type_name: str) -> tuple[BlockWeight, torch.
     """`weight` as GGUF blocks, and the floats those blocks stand for."""
     ggml_type = gguf.GGMLQuantizationType[type_name]
     blocks = gguf.quants.quantize(weight.numpy(), ggml_type)
-    return BlockWeight(int(ggml_type), torch.from_numpy(blocks)), torch.from_numpy(gguf.quants.dequantize(blocks, ggml_type))
+    floats = torch.from_numpy(gguf.quants.dequantize(blocks, ggml_type))
+    return BlockWeight(int(ggml_type), torch.from_numpy(blocks)), floats
 
 
 @pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
