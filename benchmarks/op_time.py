@@ -23,22 +23,12 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import torch
+from engine_speed import gemm_peak_gflop_s  # benchmarks/, the script's own folder
 
 import chunkserve.model.llama as llama
 import chunkserve.worker.model_runner as model_runner
 from chunkserve import LLM, SamplingParams
 from chunkserve.worker import attention
-
-
-def gemm_peak_gflops() -> float:
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * 2048**3 / best / 1e9
 
 
 def main() -> None:
@@ -85,11 +75,11 @@ def main() -> None:
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0), use_tqdm=False)
     seconds.clear()
     linear_flop[0] = 0.0
-    peak_before = gemm_peak_gflops()
+    peak_before = gemm_peak_gflop_s(repeats=3)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    peak_after = gemm_peak_gflops()
+    peak_after = gemm_peak_gflop_s(repeats=3)
 
     print(f"{args.num_prompts} prompts x {args.input_len} in, {args.output_len} out, budget {args.budget}: "
           f"{wall:.1f} s, {args.num_prompts * args.output_len / wall:.1f} output tok/s")

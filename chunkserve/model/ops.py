@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 Tensor = torch.Tensor
 
-# GGML block types whose 32-weight blocks the C++ linear reads directly (gguf.GGMLQuantizationType values).
-BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+# GGML block types whose 32-weight blocks the C++ linear reads directly (gguf.GGMLQuantizationType names).
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 @dataclass(frozen=True)
