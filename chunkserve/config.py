@@ -8,11 +8,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from chunkserve.core.chunking import ChunkSchedule
 from chunkserve.errors import InvalidRequestError
 from chunkserve.worker.cpp_ops import OP_BACKENDS
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_CHUNKED_BUDGET = 512
+DEFAULT_SLO_BUDGET = 2048  # with --tbt-slo-ms the SLO sizes steps; the budget is only a ceiling
 DEFAULT_MAX_NUM_SEQS = 128
 DTYPES = ("float32", "bfloat16")
 
@@ -56,7 +58,7 @@ class EngineArgs(CliArgs):
     max_num_batched_tokens: int | None = _arg(
         None,
         f"token budget of one engine step, decode + prefill tokens (default: {DEFAULT_CHUNKED_BUDGET} with "
-        "chunked prefill, max_model_len without)",
+        f"chunked prefill, {DEFAULT_SLO_BUDGET} with --tbt-slo-ms, max_model_len without chunking)",
     )
     max_num_seqs: int | None = _arg(
         None, f"most requests running at once (default: {DEFAULT_MAX_NUM_SEQS}, at most the step budget)"
@@ -67,8 +69,36 @@ class EngineArgs(CliArgs):
     enable_mixed_batch: bool = _arg(
         True, "put prefill chunks and decodes in one forward; off = a step is all-prefill or all-decode"
     )
-    long_prefill_token_threshold: int = _arg(0, "most prompt tokens one request may prefill in one step (0: no cap)")
+    long_prefill_token_threshold: int = _arg(
+        0, "most prompt tokens one request may prefill in one step, and the prompt length above which a prompt "
+        "counts as long for --max-long-partial-prefills (0: no cap, no prompt is long)"
+    )
     max_num_partial_prefills: int = _arg(1, "most requests left with an unfinished prompt at the end of a step")
+    max_long_partial_prefills: int = _arg(
+        1, "most long prompts (see --long-prefill-token-threshold) left unfinished at the end of a step; below "
+        "--max-num-partial-prefills, shorter prompts pass waiting long ones"
+    )
+    chunk_align: int | None = _arg(
+        None, "a prompt chunk that does not finish its prompt is a multiple of this many tokens, and where "
+        "possible so is the step (decodes + chunks); a multiple of block_size (default: block_size)"
+    )
+    chunk_schedule: str | None = _arg(
+        None, "Sarathi-Serve's decreasing chunks, 'high:low:stages:max_tokens': a step carrying a prompt's "
+        "chunk holds at most `high` tokens, stepping down to `low` over `stages` stages of max_tokens/stages "
+        "prompt tokens (e.g. 512:128:4:4096)"
+    )
+    tbt_slo_ms: float | None = _arg(
+        None, "size each step by time instead of tokens: all decodes, then as many prompt tokens as keep the "
+        "step's predicted time (a model fitted online from the engine's own steps) under this many ms"
+    )
+    max_prefill_wait_ms: float = _arg(
+        1000.0, "with --tbt-slo-ms: a prompt that got no tokens for this long gets one aligned chunk even if "
+        "the step then exceeds the SLO (decodes alone may already exceed it)"
+    )
+    ttft_slo_ms: float | None = _arg(
+        None, "prompts whose first token can still come within this many ms of arrival get prompt tokens "
+        "first, earliest deadline first; prompts that can no longer make it follow"
+    )
     block_size: int = _arg(16, "tokens per KV cache block (page)")
     kv_cache_memory_gb: float = _arg(2.0, "memory for the KV cache pool, GiB")
     num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides --kv-cache-memory-gb)")
@@ -108,6 +138,21 @@ class EngineArgs(CliArgs):
             fail(f"long_prefill_token_threshold must be 0 or at least block_size ({self.block_size})")
         if self.max_num_partial_prefills < 1:
             fail("max_num_partial_prefills must be at least 1")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            fail(
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be at least 1 and at most "
+                f"max_num_partial_prefills ({self.max_num_partial_prefills})"
+            )
+        if self.chunk_align is not None and (self.chunk_align < 1 or self.chunk_align % self.block_size):
+            fail(f"chunk_align must be a positive multiple of block_size ({self.block_size}), got {self.chunk_align}")
+        if self.chunk_schedule is not None:
+            ChunkSchedule.parse(self.chunk_schedule)
+        for name in ("tbt_slo_ms", "ttft_slo_ms"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                fail(f"{name} must be positive, got {value}")
+        if self.max_prefill_wait_ms < 0:
+            fail(f"max_prefill_wait_ms must be non-negative, got {self.max_prefill_wait_ms}")
         if self.kv_cache_memory_gb <= 0:
             fail("kv_cache_memory_gb must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -127,22 +172,36 @@ class SchedulerConfig:
     enable_mixed_batch: bool = True
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    chunk_align: int | None = None  # None: block_size
+    chunk_schedule: ChunkSchedule | None = None
+    tbt_slo_ms: float | None = None
+    max_prefill_wait_ms: float = 1000.0
+    ttft_slo_ms: float | None = None
+
+    @property
+    def chunk_alignment(self) -> int:
+        return self.chunk_align or self.block_size
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_model_len: int) -> SchedulerConfig:
         """Resolve the defaults that depend on the model's length limit."""
         budget = args.max_num_batched_tokens
         if budget is None:
-            budget = DEFAULT_CHUNKED_BUDGET if args.enable_chunked_prefill else max(max_model_len, DEFAULT_CHUNKED_BUDGET)
+            if not args.enable_chunked_prefill:
+                budget = max(max_model_len, DEFAULT_CHUNKED_BUDGET)
+            else:
+                budget = DEFAULT_SLO_BUDGET if args.tbt_slo_ms is not None else DEFAULT_CHUNKED_BUDGET
         max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else min(DEFAULT_MAX_NUM_SEQS, budget)
-        resolved = {"max_model_len", "max_num_batched_tokens", "max_num_seqs"}
+        resolved = {"max_model_len", "max_num_batched_tokens", "max_num_seqs", "chunk_schedule"}
         names = {f.name for f in dataclasses.fields(cls)} - resolved
         return cls(
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
             max_num_seqs=max_num_seqs,
+            chunk_schedule=None if args.chunk_schedule is None else ChunkSchedule.parse(args.chunk_schedule),
             **{n: getattr(args, n) for n in names},
         )
 

@@ -46,7 +46,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.time)  # wall clock
     priority: int = 0  # lower value = served first (vLLM's convention)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -51,6 +51,8 @@ class SchedulerOutput:
     preempted_request_ids: set[str] = field(default_factory=set)
     prefix_cache_queries: int = 0  # prompt tokens of the requests admitted for the first time in this step
     prefix_cache_hits: int = 0  # of those, found in the prefix cache (not computed)
+    predicted_duration_s: float | None = None  # by the step-time model, None before it has data
+    prefill_wait_guard: bool = False  # a prompt got tokens past the TBT SLO: it had waited too long
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -16,7 +16,15 @@ import torch
 from chunkserve.config import EngineArgs, SchedulerConfig
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.scheduler import Scheduler
-from chunkserve.core.scheduler_output import SchedulerStats, TokenLogprobs, hit_rate
+from chunkserve.core.scheduler_output import (
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    TokenLogprobs,
+    hit_rate,
+)
+from chunkserve.core.step_predictor import StepShape, StepTimePredictor
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepRecord
 from chunkserve.engine.tokenizer import load_tokenizer
@@ -60,9 +68,12 @@ class LLMEngine:
         self._check_budget(scheduler_config)
         self.eos_token_id, self._extra_stop_ids = self._eos_ids()
         model = load_model(self.source, self.model_config, args.dtype, self.max_model_len)
-        self.scheduler = Scheduler(scheduler_config, num_blocks)
+        self.predictor = StepTimePredictor()
+        self.scheduler = Scheduler(scheduler_config, num_blocks, self.predictor)
         self.runner = ModelRunner(model, self.model_config, num_blocks, args.block_size, args.seed,
                                   args.op_backend)
+        if scheduler_config.tbt_slo_ms is not None or scheduler_config.ttft_slo_ms is not None:
+            self._profile_step_time(num_blocks)
         self._tracked: dict[str, _Tracked] = {}
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self.last_step_record: StepRecord | None = None  # of the last step(); None if it ran nothing
@@ -132,10 +143,17 @@ class LLMEngine:
             self._output(request, now, new_token=True, logprobs=runner_output.logprobs.get(request.request_id))
             for request in updated
         ]
+        duration = time.perf_counter() - start
+        self.predictor.observe(StepShape.of(scheduled.scheduled), duration)
+        errors = self.predictor.error_quantiles()
         self.last_step_record = StepRecord(
             step_id=self._next_step_id,
             start_time=start_wall,
-            duration_s=time.perf_counter() - start,
+            duration_s=duration,
+            predicted_duration_s=scheduled.predicted_duration_s,
+            prediction_error_p50=errors[0] if errors else None,
+            prediction_error_p90=errors[1] if errors else None,
+            prefill_wait_guard=scheduled.prefill_wait_guard,
             forward_mode=scheduled.forward_mode,
             num_prefill_tokens=scheduled.num_prefill_tokens,
             num_decode_tokens=scheduled.num_decode_tokens,
@@ -194,6 +212,41 @@ class LLMEngine:
         )
 
     # ----- validation and set-up ------------------------------------------------------------
+
+    def _profile_step_time(self, num_blocks: int) -> None:
+        """Seed the step-time model with a few synthetic steps (a second or few), so the SLOs
+        have predictions from the first real step: chunks of a quarter, half and all of the
+        budget (capped at 512 tokens: the model extrapolates linearly), one of them after a
+        long context, decode batches of 1, 8 and 32 rows, and a mix. Their KV lands in free
+        blocks and is never read again."""
+        config = self.scheduler_config
+        chunk = min(config.max_num_batched_tokens, 512, self.max_model_len - 1)
+        context = min(chunk, self.max_model_len - chunk - 1)
+        decode_context = min(256, self.max_model_len - 1)
+        decodes = [[(decode_context, 1)] * n for n in (1, 8, 32) if n <= config.max_num_seqs]
+        steps = [[(0, 16)], [(0, max(chunk // 4, 1))], [(0, max(chunk // 2, 1))], [(0, chunk)],
+                 [(context, chunk)], *decodes, decodes[-1][:8] + [(0, max(chunk // 2, 1))]]
+        rng = torch.Generator().manual_seed(0)
+        for index, step in enumerate(steps):
+            scheduled, new = [], []
+            for row, (start, num_tokens) in enumerate(step):
+                request_id = f"profile-{index}-{row}"
+                prompt = torch.randint(self.model_config.vocab_size, (start + num_tokens,), generator=rng).tolist()
+                blocks = -(-(start + num_tokens) // config.block_size)
+                if blocks > num_blocks:
+                    break
+                new.append(NewRequestData(request_id, prompt, SamplingParams(max_tokens=1), None))
+                scheduled.append(ScheduledRequest(request_id, start, num_tokens, list(range(blocks)), True,
+                                                  num_tokens == 1))
+            if not scheduled:
+                continue
+            begin = time.perf_counter()
+            self.runner.execute(SchedulerOutput(scheduled, new))
+            if index:  # the first step warms up
+                self.predictor.observe(StepShape.of(scheduled), time.perf_counter() - begin)
+            self.runner.execute(SchedulerOutput([], [], finished_request_ids={r.request_id for r in new}))
+        self.predictor.refit()
+        logger.info("step-time model from %d profile steps: %s", len(steps) - 1, self.predictor.describe())
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

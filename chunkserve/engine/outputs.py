@@ -49,6 +49,10 @@ class StepRecord:
     step_id: int
     start_time: float  # wall clock
     duration_s: float
+    predicted_duration_s: float | None  # by the step-time model before the step ran (None: no model yet)
+    prediction_error_p50: float | None  # |predicted - actual| / actual over recent steps
+    prediction_error_p90: float | None
+    prefill_wait_guard: bool  # a prompt got tokens past the TBT SLO because it had waited too long
     forward_mode: ForwardMode
     num_prefill_tokens: int
     num_decode_tokens: int

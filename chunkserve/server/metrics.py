@@ -73,6 +73,13 @@ class EngineMetrics:
         self.step_decode_batch_size = histogram(
             "step_decode_batch_size", "Decode tokens per engine step (steps with any)", _TOKEN_BUCKETS)
         self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step", _LATENCY_BUCKETS)
+        error = Gauge("chunkserve:step_time_prediction_relative_error",
+                      "|predicted - actual| / actual step time of the step-time model over recent steps, by quantile",
+                      names + ["quantile"], registry=self.registry)
+        self.prediction_error = {q: error.labels(**labels, quantile=str(q)) for q in (0.5, 0.9)}
+        self.prefill_wait_guards = counter(
+            "prefill_wait_guards", "Steps where a prompt got tokens past the TBT SLO after waiting "
+            "--max-prefill-wait-ms").labels(**labels)
         self._totals_seen: dict[Counter, int] = {}
 
     def observe(self, record: StepRecord | None, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
@@ -105,6 +112,11 @@ class EngineMetrics:
             self.step_prefill_tokens.observe(record.num_prefill_tokens)
         if record.num_decode_tokens:
             self.step_decode_batch_size.observe(record.num_decode_tokens)
+        if record.prediction_error_p50 is not None:
+            self.prediction_error[0.5].set(record.prediction_error_p50)
+            self.prediction_error[0.9].set(record.prediction_error_p90)
+        if record.prefill_wait_guard:
+            self.prefill_wait_guards.inc()
 
     def _observe_output(self, output: RequestOutput) -> None:
         metrics = output.metrics

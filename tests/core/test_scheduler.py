@@ -25,10 +25,10 @@ BLOCK = 4
 EOS = 0
 
 
-def make_scheduler(num_blocks: int = 1000, **overrides) -> Scheduler:
+def make_scheduler(num_blocks: int = 1000, predictor=None, clock=None, **overrides) -> Scheduler:
     config = dict(max_num_batched_tokens=32, max_num_seqs=16, max_model_len=4000, block_size=BLOCK)
     config.update(overrides)
-    return Scheduler(SchedulerConfig(**config), num_blocks)
+    return Scheduler(SchedulerConfig(**config), num_blocks, predictor, **({"clock": clock} if clock else {}))
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, priority: int = 0,

@@ -63,13 +63,24 @@ def reference_outputs(default_llm):
     dict(max_num_batched_tokens=512),
     dict(max_num_batched_tokens=64, enable_mixed_batch=False),
     dict(max_num_batched_tokens=128, long_prefill_token_threshold=32, max_num_partial_prefills=3),
-], ids=["no-chunking", "budget16", "budget512", "no-mixing", "threshold32"])
+    dict(max_num_batched_tokens=128, chunk_align=64),
+    dict(max_num_batched_tokens=256, chunk_schedule="256:64:4:256"),
+    dict(max_num_batched_tokens=256, tbt_slo_ms=60),
+    dict(ttft_slo_ms=300, long_prefill_token_threshold=64, max_num_partial_prefills=4, max_long_partial_prefills=2),
+], ids=["no-chunking", "budget16", "budget512", "no-mixing", "threshold32", "align64", "decreasing", "tbt-slo",
+        "ttft-slo"])
 def test_outputs_identical_under_every_scheduler_configuration(reference_outputs, engine_args):
     prompts, params, expected = reference_outputs
     llm = LLM(kv_cache_memory_gb=0.25, **engine_args)
+    profiled = llm.engine.predictor.fitted  # before any request: the start-up profile ran
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     records = llm.get_step_records()
+    assert profiled == ("tbt_slo_ms" in engine_args or "ttft_slo_ms" in engine_args)
+    if "tbt_slo_ms" in engine_args:
+        slo = engine_args["tbt_slo_ms"] / 1000
+        assert all(r.predicted_duration_s <= slo or r.prefill_wait_guard for r in records if r.num_prefill_tokens)
+        assert records[-1].prediction_error_p50 is not None
     budget = llm.engine.scheduler_config.max_num_batched_tokens
     assert all(r.num_prefill_tokens + r.num_decode_tokens <= budget for r in records)
     modes = {r.forward_mode.value for r in records}

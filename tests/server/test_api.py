@@ -272,7 +272,10 @@ def test_step_trace_file_and_debug_endpoint_agree(server, client, model_name):
     assert len(steps) == 5 and steps[-1]["forward_mode"] == "DECODE"
     assert set(steps[0]) == {"step_id", "start_time", "duration_s", "forward_mode", "num_prefill_tokens",
                              "num_decode_tokens", "num_requests", "num_preemptions", "kv_cache_usage",
-                             "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate"}
+                             "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
+                             "predicted_duration_s", "prediction_error_p50", "prediction_error_p90",
+                             "prefill_wait_guard"}
+    assert 0 <= steps[-1]["prediction_error_p50"] <= steps[-1]["prediction_error_p90"]
     with open(server.trace_path) as f:
         traced = [json.loads(line) for line in f]
     assert traced[-5:] == steps
@@ -280,3 +283,4 @@ def test_step_trace_file_and_debug_endpoint_agree(server, client, model_name):
     total = server.metrics()
     steps_total = sum(total[f"chunkserve:engine_steps_total{{forward_mode={m}}}"] for m in ("EXTEND", "MIXED", "DECODE"))
     assert len(traced) == steps_total
+    assert total["chunkserve:step_time_prediction_relative_error{quantile=0.9}"] == traced[-1]["prediction_error_p90"]

@@ -1,0 +1,143 @@
+"""A model of how long an engine step takes, fitted online from the engine's own steps.
+
+SGLang fits f(l) = a*l^2 + b*l + c to a chunk's length for pipeline parallelism; we fit the
+whole mixed step, because a step is decodes plus chunks:
+
+    t = c + a_p * prefill_rows + a_d * decode_rows + b_p * prefill_attention + b_d * decode_attention
+
+where a chunk's attention work is the number of (query, key) pairs it scores, sum over its
+tokens of the keys before them (quadratic in its length: SGLang's l^2 term), and a decode's
+is its context length (its KV read). Prefill and decode attention get separate terms: the
+first is compute (SDPA), the second a memory read. The fit is least squares on *relative*
+error (each step's equation divided by its time), since a 20 ms decode step and a 1 s prefill
+matter alike, with no negative coefficient (a term fitted negative is dropped and the rest
+refitted), so predicted time grows with every input and the SLO budget can bisect on it.
+
+Two windows keep recent steps: those with prompt rows and those without, so a long run of
+pure decode steps cannot push every prefill observation out (the prefill terms would then be
+unknowable). A start-up profile (`LLMEngine`) seeds both windows.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from chunkserve.core.scheduler_output import ScheduledRequest
+
+FEATURE_NAMES = ("constant", "prefill_rows", "decode_rows", "prefill_attention", "decode_attention")
+_SCALE = np.array([1.0, 1e-3, 1e-3, 1e-6, 1e-6])  # keeps the normal equations well conditioned
+
+
+def chunk_attention(start: int, num_tokens: int) -> int:
+    """(query, key) pairs scored by a chunk of `num_tokens` queries at positions start.. (causal)."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The inputs of the step-time model for one step."""
+
+    prefill_rows: int = 0
+    decode_rows: int = 0
+    prefill_attention: int = 0
+    decode_attention: int = 0
+
+    @classmethod
+    def of(cls, scheduled: Iterable[ScheduledRequest]) -> StepShape:
+        shape = cls()
+        for s in scheduled:
+            shape = shape.plus(s.num_computed_tokens, s.num_scheduled_tokens)
+        return shape
+
+    def plus(self, start: int, num_tokens: int) -> StepShape:
+        """This step with one more request's `num_tokens` rows computed from position `start`:
+        one row is a decode (or a one-token chunk, which costs the same), more a chunk."""
+        if num_tokens == 1:
+            return StepShape(self.prefill_rows, self.decode_rows + 1, self.prefill_attention,
+                             self.decode_attention + start + 1)
+        return StepShape(self.prefill_rows + num_tokens, self.decode_rows,
+                         self.prefill_attention + chunk_attention(start, num_tokens), self.decode_attention)
+
+    @property
+    def features(self) -> np.ndarray:
+        raw = (1.0, self.prefill_rows, self.decode_rows, self.prefill_attention, self.decode_attention)
+        return np.asarray(raw, dtype=np.float64) * _SCALE
+
+
+class StepTimePredictor:
+    def __init__(self, window: int = 256, refit_every: int = 8, error_window: int = 1024) -> None:
+        self._with_prefill: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        self._decode_only: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        self._errors: deque[float] = deque(maxlen=error_window)
+        self._refit_every = refit_every
+        self._since_fit = 0
+        self.coefficients: np.ndarray | None = None  # seconds per scaled feature, FEATURE_NAMES order
+
+    @property
+    def fitted(self) -> bool:
+        return self.coefficients is not None
+
+    def predict(self, shape: StepShape) -> float | None:
+        """Predicted step time in seconds; None before the first fit."""
+        if self.coefficients is None:
+            return None
+        return float(shape.features @ self.coefficients)
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Record a step; its relative prediction error counts towards `error_quantiles`."""
+        if seconds <= 0:
+            return
+        predicted = self.predict(shape)
+        if predicted is not None:
+            self._errors.append(abs(predicted - seconds) / seconds)
+        window = self._with_prefill if shape.prefill_rows else self._decode_only
+        window.append((shape.features, seconds))
+        self._since_fit += 1
+        if self.coefficients is None or self._since_fit >= self._refit_every:
+            self.refit()
+
+    def refit(self) -> None:
+        samples = list(self._with_prefill) + list(self._decode_only)
+        if not samples:
+            return
+        features = np.stack([f for f, _ in samples])
+        times = np.array([t for _, t in samples])
+        self.coefficients = _nonnegative_relative_fit(features, times)
+        self._since_fit = 0
+
+    def describe(self) -> str:
+        """The fitted model in readable units."""
+        if self.coefficients is None:
+            return "no fit yet"
+        units = ("ms", "ms per 1k prefill rows", "ms per 1k decode rows", "ms per 1M prefill (query, key) pairs",
+                 "ms per 1M decode context tokens")
+        return " + ".join(f"{c * 1e3:.3g} {unit}" for c, unit in zip(self.coefficients, units))
+
+    def error_quantiles(self) -> tuple[float, float] | None:
+        """(p50, p90) of |predicted - actual| / actual over recent steps; None before any."""
+        if not self._errors:
+            return None
+        p50, p90 = np.quantile(np.fromiter(self._errors, dtype=np.float64), (0.5, 0.9))
+        return float(p50), float(p90)
+
+
+def _nonnegative_relative_fit(features: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """Least squares of sum(((features @ x) - t) / t)^2 with x >= 0: the most negative term
+    is dropped and the rest refitted until none is negative.
+
+    A term whose column is all zero in the data (no prefill seen yet) gets 0: it is unknown,
+    not free; the start-up profile makes sure every term has data."""
+    weighted = features / times[:, None]
+    active = [i for i in range(features.shape[1]) if np.any(features[:, i])]
+    coefficients = np.zeros(features.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(weighted[:, active], np.ones(len(times)), rcond=None)
+        if (solution >= 0).all():
+            coefficients[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    return coefficients

@@ -1,0 +1,80 @@
+"""The step-time model: it recovers a known cost law from observations, never fits a
+negative cost, keeps prefill knowledge through long decode-only stretches, and reports its
+own error."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from chunkserve.core.scheduler_output import ScheduledRequest
+from chunkserve.core.step_predictor import StepShape, StepTimePredictor, chunk_attention
+
+
+def law(shape: StepShape) -> float:
+    """A made-up machine: 5 ms a step, 1.5 ms per 1k prefill rows... in seconds."""
+    return (5e-3 + 1.5e-3 * shape.prefill_rows + 0.4e-3 * shape.decode_rows
+            + 2e-9 * shape.prefill_attention + 4e-8 * shape.decode_attention)
+
+
+def random_shape(rng: random.Random, prefill: bool) -> StepShape:
+    shape = StepShape()
+    for _ in range(rng.randint(0, 32)):
+        shape = shape.plus(rng.randint(10, 2000), 1)
+    if prefill or shape.decode_rows == 0:
+        shape = shape.plus(rng.randint(0, 4000), rng.randint(16, 512))
+    return shape
+
+
+def test_shape_counts_rows_and_attention_pairs():
+    scheduled = [ScheduledRequest("d", 99, 1, [], True, True), ScheduledRequest("p", 32, 16, [], False, False)]
+    shape = StepShape.of(scheduled)
+    assert shape == StepShape(prefill_rows=16, decode_rows=1, prefill_attention=16 * 32 + 16 * 17 // 2,
+                              decode_attention=100)
+    assert chunk_attention(0, 3) == 1 + 2 + 3
+
+
+def test_recovers_a_known_law_and_its_error_is_small():
+    rng = random.Random(0)
+    predictor = StepTimePredictor()
+    assert predictor.predict(StepShape(prefill_rows=10)) is None and predictor.error_quantiles() is None
+    for i in range(400):
+        shape = random_shape(rng, prefill=i % 3 == 0)
+        predictor.observe(shape, law(shape) * rng.uniform(0.98, 1.02))  # 2% noise
+    for _ in range(50):
+        shape = random_shape(rng, prefill=True)
+        assert predictor.predict(shape) == pytest.approx(law(shape), rel=0.05)
+    p50, p90 = predictor.error_quantiles()
+    assert p50 <= p90 < 0.05
+
+
+def test_no_coefficient_is_negative():
+    rng = random.Random(1)
+    predictor = StepTimePredictor()
+    for _ in range(100):  # decode attention is free on this machine, and the noise is large
+        shape = random_shape(rng, prefill=True)
+        predictor.observe(shape, 5e-3 + 1e-6 * shape.prefill_rows * rng.uniform(0.5, 1.5))
+    assert (predictor.coefficients >= 0).all()
+
+
+def test_a_long_decode_only_stretch_keeps_the_prefill_terms():
+    rng = random.Random(2)
+    predictor = StepTimePredictor(window=64)
+    for _ in range(64):
+        shape = random_shape(rng, prefill=True)
+        predictor.observe(shape, law(shape))
+    for _ in range(1000):
+        shape = random_shape(rng, prefill=False)
+        if shape.prefill_rows == 0:
+            predictor.observe(shape, law(shape))
+    big_chunk = StepShape().plus(0, 512)
+    assert predictor.predict(big_chunk) == pytest.approx(law(big_chunk), rel=0.01)
+
+
+def test_describe_names_the_units():
+    predictor = StepTimePredictor()
+    predictor.observe(StepShape(decode_rows=4, decode_attention=400), 0.02)
+    assert "ms per 1k decode rows" in predictor.describe()
+    assert np.isfinite(predictor.coefficients).all()
