@@ -260,11 +260,12 @@ class Scheduler:
 
     def _slo_limit(self, step: _StepBuilder, start: int, limit: int) -> int:
         """The most tokens (up to `limit`) a chunk from `start` may have for the step's predicted
-        time to stay within the TBT SLO; `limit` when there is no SLO or no model yet."""
+        time, times the model's safety margin, to stay within the TBT SLO; `limit` when there
+        is no SLO or no model yet."""
         slo_ms = self.config.tbt_slo_ms
         if slo_ms is None or self.predictor is None or not self.predictor.fitted or limit <= 0:
             return limit
-        slo = slo_ms / 1000
+        slo = slo_ms / 1000 / self.predictor.margin
 
         def fits(num_tokens: int) -> bool:
             return self.predictor.predict(step.shape.plus(start, num_tokens)) <= slo

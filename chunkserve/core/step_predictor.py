@@ -13,6 +13,10 @@ error (each step's equation divided by its time), since a 20 ms decode step and 
 matter alike, with no negative coefficient (a term fitted negative is dropped and the rest
 refitted), so predicted time grows with every input and the SLO budget can bisect on it.
 
+Steps run slower than predicted now and then (the machine is shared, the host drifts); the
+SLO budget plans with `margin`, the 90th percentile of actual / predicted over recent steps
+(at least 1), so it aims below the SLO by as much as the model has recently been short.
+
 Two windows keep recent steps: those with prompt rows and those without, so a long run of
 pure decode steps cannot push every prefill observation out (the prefill terms would then be
 unknowable). A start-up profile (`LLMEngine`) seeds both windows.
@@ -48,9 +52,14 @@ class StepShape:
 
     @classmethod
     def of(cls, scheduled: Iterable[ScheduledRequest]) -> StepShape:
+        return cls.of_rows((s.num_computed_tokens, s.num_scheduled_tokens) for s in scheduled)
+
+    @classmethod
+    def of_rows(cls, rows: Iterable[tuple[int, int]]) -> StepShape:
+        """From (start position, tokens) per request."""
         shape = cls()
-        for s in scheduled:
-            shape = shape.plus(s.num_computed_tokens, s.num_scheduled_tokens)
+        for start, num_tokens in rows:
+            shape = shape.plus(start, num_tokens)
         return shape
 
     def plus(self, start: int, num_tokens: int) -> StepShape:
@@ -72,10 +81,11 @@ class StepTimePredictor:
     def __init__(self, window: int = 256, refit_every: int = 8, error_window: int = 1024) -> None:
         self._with_prefill: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self._decode_only: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
-        self._errors: deque[float] = deque(maxlen=error_window)
+        self._ratios: deque[float] = deque(maxlen=error_window)  # actual / predicted
         self._refit_every = refit_every
         self._since_fit = 0
         self.coefficients: np.ndarray | None = None  # seconds per scaled feature, FEATURE_NAMES order
+        self.margin = 1.0  # p90 of actual / predicted, at least 1 (updated at each refit)
 
     @property
     def fitted(self) -> bool:
@@ -92,8 +102,8 @@ class StepTimePredictor:
         if seconds <= 0:
             return
         predicted = self.predict(shape)
-        if predicted is not None:
-            self._errors.append(abs(predicted - seconds) / seconds)
+        if predicted:
+            self._ratios.append(seconds / predicted)
         window = self._with_prefill if shape.prefill_rows else self._decode_only
         window.append((shape.features, seconds))
         self._since_fit += 1
@@ -108,6 +118,8 @@ class StepTimePredictor:
         times = np.array([t for _, t in samples])
         self.coefficients = _nonnegative_relative_fit(features, times)
         self._since_fit = 0
+        if self._ratios:
+            self.margin = max(1.0, float(np.quantile(np.fromiter(self._ratios, dtype=np.float64), 0.9)))
 
     def describe(self) -> str:
         """The fitted model in readable units."""
@@ -119,9 +131,10 @@ class StepTimePredictor:
 
     def error_quantiles(self) -> tuple[float, float] | None:
         """(p50, p90) of |predicted - actual| / actual over recent steps; None before any."""
-        if not self._errors:
+        if not self._ratios:
             return None
-        p50, p90 = np.quantile(np.fromiter(self._errors, dtype=np.float64), (0.5, 0.9))
+        errors = np.abs(1.0 - 1.0 / np.fromiter(self._ratios, dtype=np.float64))  # |p - a| / a = |1 - p / a|
+        p50, p90 = np.quantile(errors, (0.5, 0.9))
         return float(p50), float(p90)
 
 

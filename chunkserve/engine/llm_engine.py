@@ -73,7 +73,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.model_config, num_blocks, args.block_size, args.seed,
                                   args.op_backend)
         if scheduler_config.tbt_slo_ms is not None or scheduler_config.ttft_slo_ms is not None:
-            self._profile_step_time(num_blocks)
+            self._profile_step_time()
         self._tracked: dict[str, _Tracked] = {}
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self.last_step_record: StepRecord | None = None  # of the last step(); None if it ran nothing
@@ -213,40 +213,47 @@ class LLMEngine:
 
     # ----- validation and set-up ------------------------------------------------------------
 
-    def _profile_step_time(self, num_blocks: int) -> None:
-        """Seed the step-time model with a few synthetic steps (a second or few), so the SLOs
-        have predictions from the first real step: chunks of a quarter, half and all of the
-        budget (capped at 512 tokens: the model extrapolates linearly), one of them after a
-        long context, decode batches of 1, 8 and 32 rows, and a mix. Their KV lands in free
-        blocks and is never read again."""
+    def time_synthetic_step(self, rows: list[tuple[int, int]], seed: int = 0) -> float:
+        """Run one step of made-up requests, a (start position, tokens) pair each, and return
+        its seconds. For the start-up profile and benchmarks/step_time_curve.py: only while no
+        request is unfinished, as its KV lands in blocks 0.. (the prefix cache is dropped)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("time_synthetic_step needs an idle engine: its KV overwrites pool blocks")
+        self.scheduler.reset_prefix_cache()
+        block_size = self.scheduler_config.block_size
+        rng = torch.Generator().manual_seed(seed)
+        scheduled, new = [], []
+        for index, (start, num_tokens) in enumerate(rows):
+            length = start + num_tokens
+            if not (0 < num_tokens and length <= min(self.max_model_len, self.scheduler.kv.num_blocks * block_size)):
+                raise InvalidRequestError(f"synthetic request ({start}, {num_tokens}) does not fit the engine")
+            request_id = f"synthetic-{index}"
+            prompt = torch.randint(self.model_config.vocab_size, (length,), generator=rng).tolist()
+            new.append(NewRequestData(request_id, prompt, SamplingParams(max_tokens=1), None))
+            blocks = list(range(-(-length // block_size)))
+            scheduled.append(ScheduledRequest(request_id, start, num_tokens, blocks, True, num_tokens == 1))
+        begin = time.perf_counter()
+        self.runner.execute(SchedulerOutput(scheduled, new))
+        seconds = time.perf_counter() - begin
+        self.runner.execute(SchedulerOutput([], [], finished_request_ids={r.request_id for r in new}))
+        return seconds
+
+    def _profile_step_time(self) -> None:
+        """Seed the step-time model with a few synthetic steps (a few seconds at most), so the
+        SLOs have predictions from the first real step: chunks of 16 tokens and a quarter, half
+        and all of the budget (capped at 512: the model extrapolates linearly), one after a
+        long context, decode batches of 1, 8 and 32 rows, and a mix."""
         config = self.scheduler_config
-        chunk = min(config.max_num_batched_tokens, 512, self.max_model_len - 1)
-        context = min(chunk, self.max_model_len - chunk - 1)
+        chunk = min(config.max_num_batched_tokens, 512, self.max_model_len // 2)
         decode_context = min(256, self.max_model_len - 1)
         decodes = [[(decode_context, 1)] * n for n in (1, 8, 32) if n <= config.max_num_seqs]
-        steps = [[(0, 16)], [(0, max(chunk // 4, 1))], [(0, max(chunk // 2, 1))], [(0, chunk)],
-                 [(context, chunk)], *decodes, decodes[-1][:8] + [(0, max(chunk // 2, 1))]]
-        rng = torch.Generator().manual_seed(0)
+        steps = [[(0, min(16, chunk))], [(0, max(chunk // 4, 1))], [(0, max(chunk // 2, 1))], [(0, chunk)],
+                 [(chunk, chunk)], *decodes, decodes[-1][:8] + [(0, max(chunk // 2, 1))]]
+        self.time_synthetic_step(steps[0])  # warm-up
         for index, step in enumerate(steps):
-            scheduled, new = [], []
-            for row, (start, num_tokens) in enumerate(step):
-                request_id = f"profile-{index}-{row}"
-                prompt = torch.randint(self.model_config.vocab_size, (start + num_tokens,), generator=rng).tolist()
-                blocks = -(-(start + num_tokens) // config.block_size)
-                if blocks > num_blocks:
-                    break
-                new.append(NewRequestData(request_id, prompt, SamplingParams(max_tokens=1), None))
-                scheduled.append(ScheduledRequest(request_id, start, num_tokens, list(range(blocks)), True,
-                                                  num_tokens == 1))
-            if not scheduled:
-                continue
-            begin = time.perf_counter()
-            self.runner.execute(SchedulerOutput(scheduled, new))
-            if index:  # the first step warms up
-                self.predictor.observe(StepShape.of(scheduled), time.perf_counter() - begin)
-            self.runner.execute(SchedulerOutput([], [], finished_request_ids={r.request_id for r in new}))
+            self.predictor.observe(StepShape.of_rows(step), self.time_synthetic_step(step, seed=index))
         self.predictor.refit()
-        logger.info("step-time model from %d profile steps: %s", len(steps) - 1, self.predictor.describe())
+        logger.info("step-time model from %d profile steps: %s", len(steps), self.predictor.describe())
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

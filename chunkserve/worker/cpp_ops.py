@@ -3,7 +3,8 @@
 - `paged_decode_attention` (csrc/paged_attention.cpp): decode attention that reads each
   request's KV in place through its block table.
 - `small_batch_linear` (csrc/small_batch_linear.cpp): the linear layers when a step has at
-  most `SMALL_BATCH_MAX_ROWS` rows, where MKL's GEMM is far from the weight-bandwidth bound;
+  most `SMALL_BATCH_MAX_ROWS` rows, where it beats MKL's GEMM on this model's shapes (far
+  from the weight-bandwidth bound at a few rows, behind the kernel's tiles at hundreds);
   `block_quantized_linear` is the same reading a GGUF model's Q4_0/Q4_1/Q8_0 blocks instead
   of their float32 dequantization (3.8-7x fewer bytes per step, the same result).
 - `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
@@ -38,13 +39,15 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_CSRC, name)
             for name in ("ops.cpp", "paged_attention.cpp", "small_batch_linear.cpp", "elementwise.cpp")]
 
-# Up to this many rows the C++ linear beats or equals MKL on every layer shape of
-# SmolLM2-135M here (benchmarks/small_batch_linear.py); above it MKL's blocked GEMM wins, for
-# the MLP's down projection (K = 1536) first.
-SMALL_BATCH_MAX_ROWS = 64
+# Up to this many rows the C++ linear beats or equals MKL on the layer shapes of SmolLM2-135M
+# here (benchmarks/small_batch_linear.py: 1.25x at 64 rows, 1.2x at 128, 1.1x at 256, 1.05x
+# at 512; above, MKL's blocked GEMM wins on the MLP's down projection, K = 1536, first). In
+# whole steps (benchmarks/step_time_curve.py) a 96-row step is 1.28x faster than with MKL, a
+# 256-row one 1.08x, a 512-row one 1.02x.
+SMALL_BATCH_MAX_ROWS = 512
 # The LM head (49152 x 576) is a shape MKL handles poorly: the C++ kernel is faster up to
-# 256 rows (29 vs 49 ms at 64 rows, 134 vs 171 ms at 256), slower at 512.
-LOGITS_MAX_ROWS = 256
+# 1024 rows at least (300 vs 397 ms at 1024).
+LOGITS_MAX_ROWS = 1024
 
 # (q, k_cache, v_cache, block_tables, context_lens, block_size, scale) -> attention output
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float],

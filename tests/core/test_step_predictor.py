@@ -78,3 +78,13 @@ def test_describe_names_the_units():
     predictor.observe(StepShape(decode_rows=4, decode_attention=400), 0.02)
     assert "ms per 1k decode rows" in predictor.describe()
     assert np.isfinite(predictor.coefficients).all()
+
+
+def test_margin_is_how_far_the_model_has_recently_fallen_short():
+    predictor = StepTimePredictor(refit_every=1)
+    shape = StepShape(prefill_rows=100)
+    predictor.observe(shape, 0.1)
+    assert predictor.margin == 1.0
+    for i in range(100):  # every fifth step runs 30% slow
+        predictor.observe(shape, 0.13 if i % 5 == 0 else 0.1)
+    assert 1.05 < predictor.margin < 1.3
