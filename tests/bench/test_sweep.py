@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 
 import pytest
 
+from chunkserve.bench import serve as bench_serve
 from chunkserve.bench import sweep
 from chunkserve.bench.sweep import ServerConfig, SweepConfig
+from chunkserve.cli import build_parser
+from chunkserve.config import EngineArgs
 
-SHIPPED = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sweep.yaml")
+BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+SHIPPED = os.path.join(BENCHMARKS, "sweep.yaml")
 
 
 def test_the_shipped_sweep_has_every_configuration_the_study_needs():
@@ -20,6 +25,21 @@ def test_the_shipped_sweep_has_every_configuration_the_study_needs():
     assert labels[0] == "chunking off" and "chunked 512 no mixing" in labels
     assert {f"chunked {b}" for b in (128, 256, 512, 1024, 2048)} <= set(labels)
     assert set(config.workloads) == {"interference", "throughput"} and config.capacity["slo_tbt_ms"] > 0
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(BENCHMARKS, "*.yaml"))), ids=os.path.basename)
+def test_every_shipped_sweep_config_parses(path):
+    """A typo in a flag would otherwise surface only when its server starts, deep in a long sweep."""
+    config = SweepConfig.load(path)
+    cli = build_parser()
+    for server in config.configs:
+        if server.command is None:
+            EngineArgs.from_cli_args(cli.parse_args(["serve", *config.server_args, *server.args]))
+    bench = argparse.ArgumentParser()
+    bench_serve.add_arguments(bench)
+    flag_sets = list(config.workloads.values()) + ([config.capacity["args"]] if config.capacity else [])
+    for flags in flag_sets:
+        bench.parse_args(["--base-url", "http://127.0.0.1:1", *flags])
 
 
 @pytest.mark.parametrize("true_capacity, expected", [(10.0, 4.0), (2.6, 2.25), (1.0, 0.9375), (0.1, 0.0)])
