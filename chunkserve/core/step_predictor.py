@@ -97,12 +97,15 @@ class StepTimePredictor:
             return None
         return float(shape.features @ self.coefficients)
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
-        """Record a step; its relative prediction error counts towards `error_quantiles`."""
+    def observe(self, shape: StepShape, seconds: float, count_error: bool = True) -> None:
+        """Record a step; its relative prediction error counts towards `error_quantiles` and
+        the margin unless `count_error` is False: a start-up profile, whose first steps are
+        predicted by a fit of one or two others (errors of 10x), must not leave the SLO
+        budget planning with a margin of 10x until a thousand real steps dilute it."""
         if seconds <= 0:
             return
         predicted = self.predict(shape)
-        if predicted:
+        if predicted and count_error:
             self._ratios.append(seconds / predicted)
         window = self._with_prefill if shape.prefill_rows else self._decode_only
         window.append((shape.features, seconds))

@@ -251,7 +251,8 @@ class LLMEngine:
                  [(chunk, chunk)], *decodes, decodes[-1][:8] + [(0, max(chunk // 2, 1))]]
         self.time_synthetic_step(steps[0])  # warm-up
         for index, step in enumerate(steps):
-            self.predictor.observe(StepShape.of_rows(step), self.time_synthetic_step(step, seed=index))
+            self.predictor.observe(StepShape.of_rows(step), self.time_synthetic_step(step, seed=index),
+                                   count_error=False)
         self.predictor.refit()
         logger.info("step-time model from %d profile steps: %s", len(steps), self.predictor.describe())
 

@@ -88,3 +88,16 @@ def test_margin_is_how_far_the_model_has_recently_fallen_short():
     for i in range(100):  # every fifth step runs 30% slow
         predictor.observe(shape, 0.13 if i % 5 == 0 else 0.1)
     assert 1.05 < predictor.margin < 1.3
+
+
+def test_profile_steps_fit_the_model_but_leave_no_error_or_margin():
+    """The profile's early steps are predicted from one or two others: 10x off. Counted, they
+    would make the SLO budget plan at a tenth of the SLO until a thousand real steps pass."""
+    predictor = StepTimePredictor(refit_every=1)
+    for rows in (16, 128, 512):  # each predicted from the fit of the smaller ones before it
+        shape = StepShape(prefill_rows=rows, prefill_attention=rows * rows // 2)
+        predictor.observe(shape, rows * 1e-3 + rows**2 * 1e-6, count_error=False)
+    predictor.refit()
+    assert predictor.fitted and predictor.margin == 1.0 and predictor.error_quantiles() is None
+    predictor.observe(StepShape(prefill_rows=128, prefill_attention=128 * 128 // 2), 0.15)
+    assert predictor.error_quantiles() is not None

@@ -73,6 +73,7 @@ def test_outputs_identical_under_every_scheduler_configuration(reference_outputs
     prompts, params, expected = reference_outputs
     llm = LLM(kv_cache_memory_gb=0.25, **engine_args)
     profiled = llm.engine.predictor.fitted  # before any request: the start-up profile ran
+    assert llm.engine.predictor.margin == 1.0, "the profile's own misses must not set the SLO margin"
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     records = llm.get_step_records()
