@@ -14,7 +14,8 @@ sees: the queueing delay plus the prompt's own prefill). It is found by bisectio
 `[min_rate, max_rate]`: each probe runs the capacity workload at one rate, `probes` probes
 narrow the interval, and the capacity is the highest probed rate that passed ("< r" in the
 table when even the lowest probed rate r failed). Each probe draws new prompts (its own
-seed), so a server's prefix cache cannot make a later probe cheaper.
+seed), so a server's prefix cache cannot make a later probe cheaper; so does each workload,
+unless its flags give a `--seed`.
 
 The tables are built from the result files, so `--summarize-only` rebuilds them without
 running anything, e.g. to judge the same probes against another SLO (`--slo-tbt-ms`).
@@ -151,11 +152,19 @@ def run_config(sweep: SweepConfig, config: ServerConfig) -> None:
     log(f"{config.label}: starting the server")
     with _server(sweep, config) as server:
         _wait_healthy(base_url, config.startup_timeout_s, server)
-        for name, flags in sweep.workloads.items():
+        for name, flags in workload_flags(sweep.workloads).items():
             log(f"{config.label}: workload {name}")
             _bench(base_url, config, flags, config.label, _result_path(sweep, config, name))
         if sweep.capacity:
             _capacity(base_url, config, sweep)
+
+
+def workload_flags(workloads: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Each workload's flags, with its own `--seed` (its position) unless it names one: the
+    workloads run against one server, and with the same seed they draw the same prompt
+    tokens, which its prefix cache would then serve instead of computing."""
+    return {name: flags if "--seed" in flags else [*flags, "--seed", str(index)]
+            for index, (name, flags) in enumerate(workloads.items())}
 
 
 def summary_row(sweep: SweepConfig, config: ServerConfig, error: str | None = None) -> dict[str, Any]:

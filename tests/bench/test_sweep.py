@@ -42,6 +42,13 @@ def test_every_shipped_sweep_config_parses(path):
         bench.parse_args(["--base-url", "http://127.0.0.1:1", *flags])
 
 
+def test_each_workload_draws_its_own_prompts_unless_it_names_a_seed():
+    flags = sweep.workload_flags({"a": ["--workload", "random"], "b": ["--workload", "random"],
+                                  "c": ["--seed", "7"]})
+    assert flags == {"a": ["--workload", "random", "--seed", "0"], "b": ["--workload", "random", "--seed", "1"],
+                     "c": ["--seed", "7"]}
+
+
 @pytest.mark.parametrize("true_capacity, expected", [(10.0, 4.0), (2.6, 2.25), (1.0, 0.9375), (0.1, 0.0)])
 def test_capacity_is_the_highest_passing_rate_found_by_bisection(monkeypatch, true_capacity, expected):
     """A fake server whose P99 TBT exceeds the SLO exactly above `true_capacity` req/s."""
