@@ -75,14 +75,18 @@ def test_decreasing_schedule_chunks_of_a_known_prompt():
     assert chunks == [32, 16, 8, 8, 8, 8, 8, 8, 4]
 
 
-def test_decreasing_schedule_counts_the_decodes_in_the_step():
-    scheduler = make_scheduler(chunk_schedule=ChunkSchedule.parse("16:16:1:16"))
+def decodes_then_a_long_prompt(scheduler, num_decodes: int, long_len: int):
+    """Start `num_decodes` one-token prompts, then schedule the step that adds a long prompt."""
     runner = FakeRunner()
-    for i in range(4):
-        scheduler.add_request(make_request(f"d{i}", 2, max_tokens=20))
+    for i in range(num_decodes):
+        scheduler.add_request(make_request(f"d{i}", 1, max_tokens=50))
     step_once(scheduler, runner)
-    scheduler.add_request(make_request("long", 100))
-    output = step_once(scheduler, runner)
+    scheduler.add_request(make_request("long", long_len))
+    return step_once(scheduler, runner)
+
+
+def test_decreasing_schedule_counts_the_decodes_in_the_step():
+    output = decodes_then_a_long_prompt(make_scheduler(chunk_schedule=ChunkSchedule.parse("16:16:1:16")), 4, 100)
     assert output.num_decode_tokens == 4 and output.num_prefill_tokens == 12
 
 
@@ -110,12 +114,7 @@ def test_slo_budget_never_schedules_a_step_predicted_over_the_slo():
 
 def test_slo_budget_fills_the_step_up_to_the_slo():
     scheduler = make_scheduler(max_num_batched_tokens=64, predictor=known_predictor(10, 1), tbt_slo_ms=40)
-    runner = FakeRunner()
-    for i in range(8):
-        scheduler.add_request(make_request(f"d{i}", 1, max_tokens=50))
-    step_once(scheduler, runner)
-    scheduler.add_request(make_request("long", 200))
-    output = step_once(scheduler, runner)
+    output = decodes_then_a_long_prompt(scheduler, 8, 200)
     # 10 ms + 8 decodes = 18 ms: room for 22 rows, whole blocks of 4: 20 (28 rows = 38 ms)
     assert output.num_decode_tokens == 8 and output.num_prefill_tokens == 20
 
