@@ -225,6 +225,10 @@ class ServerArgs(CliArgs):
     )
     log_level: str = _arg("info", "server log level", choices=("debug", "info", "warning", "error"))
     trace_steps: str | None = _arg(None, "append one JSON line per engine step to this file")
+    disable_frontend_multiprocessing: bool = _arg(
+        False, "run the engine on a thread of the server's process instead of a process of its own "
+               "(slower: the server's Python work then stalls the engine's steps on the GIL)"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

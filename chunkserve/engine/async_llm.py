@@ -1,60 +1,59 @@
-"""The engine behind the server: `LLMEngine` steps in its own thread, asyncio callers add,
-stream and abort requests through a command queue, and never wait on a step.
+"""The engine behind the server: asyncio callers add, stream and abort requests; the engine
+core (`chunkserve.engine.core`) runs them, and callers never wait on a step.
 
-One thread owns the engine, so nothing in it needs a lock. Commands (add, abort, reset the
-prefix cache, stop) are
-applied between steps in the order they were sent; each request's outputs reach its caller
-through its own asyncio queue, one output per sampled token, the moment the step ends.
+The core runs either in a process of its own (`from_engine_args`, what `chunkserve serve`
+uses) or on a thread of this process (`from_engine`, over an engine the caller keeps: tests
+and `--disable-frontend-multiprocessing`). Either way it is driven by the same commands and
+reports the same events; this side turns the events into each request's asyncio queue (one
+output per sampled token, the moment the step ends), settles the futures of adds and prefix
+cache resets, keeps the step records, and calls the step observers (/metrics, the trace).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import multiprocessing
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from typing import Any
 
 from chunkserve.config import EngineArgs
 from chunkserve.core.scheduler_output import SchedulerStats
-from chunkserve.engine.llm_engine import LLMEngine
+from chunkserve.engine.core import (
+    AbortRequests,
+    Accepted,
+    AddRequest,
+    Command,
+    EngineCore,
+    EngineDied,
+    EngineInfo,
+    EngineUpdate,
+    Event,
+    PrefixCacheReset,
+    Ready,
+    ResetPrefixCache,
+    Shutdown,
+    Stopped,
+    run_engine_process,
+)
+from chunkserve.engine.llm_engine import MAX_STEP_RECORDS, LLMEngine
 from chunkserve.engine.outputs import RequestOutput, StepRecord
-from chunkserve.errors import EngineDeadError, ServerOverloadedError
+from chunkserve.engine.tokenizer import load_tokenizer
+from chunkserve.errors import EngineDeadError, InvalidRequestError
+from chunkserve.model.loader import resolve_model
 from chunkserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Called in the engine thread after every batch of commands or step: the step's record
-# (None when no step ran), the outputs it produced, and the scheduler's state after it.
+# Called after every step or batch of aborts: the step's record (None when no step ran), the
+# outputs it produced, and the scheduler's state after it. It runs on the thread that receives
+# the core's events (the engine thread itself when the core runs on a thread).
 StepObserver = Callable[[StepRecord | None, list[RequestOutput], SchedulerStats], None]
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    loop: asyncio.AbstractEventLoop
-    accepted: asyncio.Future
-    outputs: asyncio.Queue
-
-
-@dataclass
-class _Abort:
-    request_ids: list[str] | None  # None: every request in flight
-
-
-@dataclass
-class _ResetPrefixCache:
-    loop: asyncio.AbstractEventLoop
-    done: asyncio.Future  # resolves to whether the cache was reset
-
-
-@dataclass
-class _Stop:
-    done: threading.Event = field(default_factory=threading.Event)
+EventHandler = Callable[[Event], None]
 
 
 class RequestStream:
@@ -89,30 +88,143 @@ class RequestStream:
             self._abort(self.request_id)
 
 
-class AsyncLLM:
-    """`await`-able generation on an engine thread.
+class ThreadCore:
+    """The engine core on a thread of this process, over an engine the caller keeps."""
 
-    `max_waiting_requests` (None: unlimited) refuses new requests with ServerOverloadedError
-    while that many are already waiting for admission.
-    """
-
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
-                 observers: list[StepObserver] | None = None) -> None:
-        self.engine = engine
-        self.max_waiting_requests = max_waiting_requests
-        self.observers = list(observers or [])
+    def __init__(self, engine: LLMEngine, on_event: EventHandler, max_waiting_requests: int | None) -> None:
+        self.info = EngineInfo.of(engine)
+        self.tokenizer = engine.tokenizer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread = threading.Thread(target=self._run, name="chunkserve-engine", daemon=True)
+        core = EngineCore(engine, on_event, max_waiting_requests)
+        self._thread = threading.Thread(target=core.run, args=(self._commands,), name="chunkserve-engine",
+                                        daemon=True)
         self._thread.start()
 
+    def send(self, command: Command) -> None:
+        self._commands.put(command)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+
+class ProcessCore:
+    """The engine core in a process of its own (spawned, so no torch state is forked), talking
+    over two pipes. Commands go through a sender thread, so the event loop never blocks on a
+    full pipe; events arrive on a receiver thread. Construction returns once the engine is
+    built, and raises what building it raised (ModelLoadError, InvalidRequestError, ...)."""
+
+    def __init__(self, args: EngineArgs, on_event: EventHandler, max_waiting_requests: int | None) -> None:
+        context = multiprocessing.get_context("spawn")
+        commands_child, self._commands = context.Pipe(duplex=False)
+        self._events, events_child = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=run_engine_process, name="chunkserve-engine-core", daemon=True,
+            args=(args, max_waiting_requests, commands_child, events_child, logging.getLogger().getEffectiveLevel()),
+        )
+        self._process.start()
+        commands_child.close()
+        events_child.close()
+        try:
+            self.tokenizer = load_tokenizer(resolve_model(args.model))  # while the engine loads
+            self.info = self._wait_ready()
+        except BaseException:
+            self._process.kill()
+            self._process.join()
+            raise
+        self._on_event = on_event
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._send_commands, name="chunkserve-core-send", daemon=True).start()
+        self._receiver = threading.Thread(target=self._receive_events, name="chunkserve-core-receive", daemon=True)
+        self._receiver.start()
+
+    def _wait_ready(self) -> EngineInfo:
+        try:
+            first = self._events.recv()
+        except EOFError:
+            self._process.join(5)
+            raise EngineDeadError(f"the engine process exited (code {self._process.exitcode}) before it was ready")
+        if isinstance(first, EngineDied):
+            raise first.error
+        assert isinstance(first, Ready), first
+        return first.info
+
+    def send(self, command: Command) -> None:
+        self._outbox.put(command)
+
+    def is_alive(self) -> bool:
+        return self._process.is_alive()
+
+    def join(self, timeout_s: float) -> None:
+        self._process.join(timeout_s)
+        if self._process.is_alive():
+            logger.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
+            self._process.kill()
+            self._process.join()
+        self._receiver.join(timeout_s)
+
+    def _send_commands(self) -> None:
+        while True:
+            command = self._outbox.get()
+            try:
+                self._commands.send(command)
+            except OSError:  # the process is gone; the receiver reports it
+                return
+            if isinstance(command, Shutdown):
+                return
+
+    def _receive_events(self) -> None:
+        while True:
+            try:
+                event = self._events.recv()
+            except (EOFError, OSError):
+                self._process.join(5)
+                code = self._process.exitcode
+                self._on_event(EngineDied(EngineDeadError(f"the engine process exited unexpectedly (code {code})")))
+                return
+            self._on_event(event)
+            if isinstance(event, (Stopped, EngineDied)):
+                return
+
+
+class AsyncLLM:
+    """`await`-able generation over an engine core; build it with `from_engine_args` or
+    `from_engine`."""
+
+    def __init__(self, start_core: Callable[[EventHandler], ThreadCore | ProcessCore],
+                 observers: list[StepObserver] | None = None) -> None:
+        self.observers = list(observers or [])
+        self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
+        self._lock = threading.Lock()  # the registries below are shared with the event thread
+        self._accepting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._resets: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._tickets = itertools.count()
+        self._dead: EngineDeadError | None = None
+        self._stopped = threading.Event()
+        self._core = start_core(self._on_event)
+        self.info: EngineInfo = self._core.info
+        self.tokenizer: Any = self._core.tokenizer
+
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, **kwargs) -> AsyncLLM:
-        return cls(LLMEngine(args), **kwargs)
+    def from_engine_args(cls, args: EngineArgs, max_waiting_requests: int | None = None,
+                         observers: list[StepObserver] | None = None, multiprocess: bool = True) -> AsyncLLM:
+        """Build the engine from `args`: in its own process (default) or on a thread."""
+        if not multiprocess:
+            return cls.from_engine(LLMEngine(args), max_waiting_requests, observers)
+        return cls(lambda on_event: ProcessCore(args, on_event, max_waiting_requests), observers)
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine, max_waiting_requests: int | None = None,
+                    observers: list[StepObserver] | None = None) -> AsyncLLM:
+        """Run `engine` on a thread of this process; after `shutdown()` it is the caller's again."""
+        return cls(lambda on_event: ThreadCore(engine, on_event, max_waiting_requests), observers)
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        return self._dead is None and self._core.is_alive()
 
     # ----- the caller's side (event loop) --------------------------------------------------
 
@@ -120,139 +232,105 @@ class AsyncLLM:
                           priority: int = 0) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises InvalidRequestError
         or ServerOverloadedError if it is refused."""
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
-        command = _Add(request_id, prompt, params, priority, loop, loop.create_future(), asyncio.Queue())
-        self._commands.put(command)
+        accepted, outputs = loop.create_future(), asyncio.Queue()
+        with self._lock:
+            if self._dead is not None or not self._core.is_alive():
+                raise EngineDeadError("the engine is not running")
+            if request_id in self._accepting or request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self._accepting[request_id] = (loop, accepted, outputs)
+        self._core.send(AddRequest(request_id, prompt, params, priority))
         try:
-            await command.accepted
+            await accepted
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
-        return RequestStream(request_id, command.outputs, self.abort)
+        return RequestStream(request_id, outputs, self.abort)
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while any request is unfinished,
         counting those added before this call."""
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
-        command = _ResetPrefixCache(loop, loop.create_future())
-        self._commands.put(command)
-        return await command.done
+        done, ticket = loop.create_future(), next(self._tickets)
+        with self._lock:
+            if self._dead is not None or not self._core.is_alive():
+                raise EngineDeadError("the engine is not running")
+            self._resets[ticket] = (loop, done)
+        self._core.send(ResetPrefixCache(ticket))
+        return await done
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort at the next step boundary; the blocks are back in the pool before the next step."""
-        self._commands.put(_Abort([request_id] if isinstance(request_id, str) else list(request_id)))
+        self._core.send(AbortRequests([request_id] if isinstance(request_id, str) else list(request_id)))
 
     def abort_all(self) -> None:
         """Abort every request in flight (thread-safe: a signal handler or timer may call it)."""
-        self._commands.put(_Abort(None))
+        self._core.send(AbortRequests(None))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Abort whatever is still in flight and stop the engine thread."""
-        if not self.is_running:
+        """Abort whatever is still in flight and stop the engine core."""
+        if self._core.is_alive():
+            self._core.send(Shutdown())
+            self._stopped.wait(timeout_s)
+        self._core.join(timeout_s)
+
+    # ----- the core's events (engine or receiver thread) -------------------------------------
+
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, EngineUpdate):
+            self._deliver(event)
             return
-        stop = _Stop()
-        self._commands.put(stop)
-        stop.done.wait(timeout_s)
-        self._thread.join(timeout_s)
+        with self._lock:
+            if isinstance(event, Accepted):
+                loop, accepted, outputs = self._accepting.pop(event.request_id)
+                if event.error is None:
+                    self._streams[event.request_id] = (loop, outputs)
+                _call_in(loop, _settle, accepted, event.error)
+            elif isinstance(event, PrefixCacheReset):
+                loop, done = self._resets.pop(event.ticket)
+                _call_in(loop, _settle, done, None, event.reset)
+            elif isinstance(event, Stopped):
+                self._fail_everything(EngineDeadError("the engine is shutting down"))
+                self._stopped.set()
+            elif isinstance(event, EngineDied):
+                self._fail_everything(EngineDeadError(f"engine failed: {event.error!r}"))
+                self._stopped.set()
 
-    # ----- the engine thread ---------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while True:
-                busy = self.engine.has_unfinished_requests()
-                for command in self._take_commands(block=not busy):
-                    if isinstance(command, _Stop):
-                        self._notify(None, self._abort(None))
-                        self._fail_pending_commands(EngineDeadError("the engine is shutting down"))
-                        command.done.set()
-                        return
-                    self._apply(command)
-                try:
-                    self._step()
-                except Exception as error:  # a bug this batch hit: fail its requests, keep serving
-                    logger.exception("engine step failed; aborting every request in flight")
-                    self._fail_all(RuntimeError(f"the engine step failed ({error!r}); the request was aborted"))
-        except BaseException as error:  # a bug in the engine: fail every caller, never hang them
-            logger.exception("engine loop died")
-            for loop, outputs in self._streams.values():
-                loop.call_soon_threadsafe(outputs.put_nowait, EngineDeadError(f"engine failed: {error!r}"))
-            self._streams.clear()
-            self._fail_pending_commands(error)
-
-    def _take_commands(self, block: bool) -> list:
-        commands = [self._commands.get()] if block else []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
-
-    def _apply(self, command: _Add | _Abort | _ResetPrefixCache) -> None:
-        if isinstance(command, _Abort):
-            self._notify(None, self._abort(command.request_ids))
-            return
-        if isinstance(command, _ResetPrefixCache):
-            command.loop.call_soon_threadsafe(_settle, command.done, None, self.engine.reset_prefix_cache())
-            return
-        try:
-            waiting = self.engine.get_stats().num_waiting
-            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
-                raise ServerOverloadedError(f"{waiting} requests are already waiting; retry later")
-            self.engine.add_request(command.request_id, command.prompt, command.params, command.priority)
-        except Exception as error:  # refused (InvalidRequestError, ServerOverloadedError) or a bug: tell the caller
-            command.loop.call_soon_threadsafe(_settle, command.accepted, error)
-            return
-        self._streams[command.request_id] = (command.loop, command.outputs)
-        command.loop.call_soon_threadsafe(_settle, command.accepted, None)
-
-    def _abort(self, request_ids: list[str] | None) -> list[RequestOutput]:
-        outputs = self.engine.abort_request(list(self._streams) if request_ids is None else request_ids)
-        self._deliver(outputs)
-        return outputs
-
-    def _step(self) -> None:
-        if not self.engine.has_unfinished_requests():
-            return
-        outputs = self.engine.step()
-        self._deliver(outputs)
-        self._notify(self.engine.last_step_record, outputs)
-
-    def _fail_all(self, error: Exception) -> None:
-        streams, self._streams = self._streams, {}
-        outputs = self.engine.abort_request(list(streams))
-        for loop, outputs_queue in streams.values():
-            loop.call_soon_threadsafe(outputs_queue.put_nowait, error)
-        self._notify(None, outputs)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            if output.finished:
-                del self._streams[output.request_id]
-            loop, outputs_queue = stream
-            loop.call_soon_threadsafe(outputs_queue.put_nowait, output)
-
-    def _notify(self, record: StepRecord | None, outputs: list[RequestOutput]) -> None:
-        stats = self.engine.get_stats()
+    def _deliver(self, update: EngineUpdate) -> None:
+        if update.record is not None:
+            self.step_records.append(update.record)
+        with self._lock:
+            for output in update.outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue
+                if output.finished or update.step_error is not None:
+                    del self._streams[output.request_id]
+                loop, outputs = stream
+                item = output if update.step_error is None else RuntimeError(update.step_error)
+                _call_in(loop, outputs.put_nowait, item)
         for observer in self.observers:
-            observer(record, outputs, stats)
+            observer(update.record, update.outputs, update.stats)
 
-    def _fail_pending_commands(self, error: BaseException) -> None:
-        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(f"engine failed: {error!r}")
-        for command in self._take_commands(block=False):
-            if isinstance(command, _Add):
-                command.loop.call_soon_threadsafe(_settle, command.accepted, dead)
-            elif isinstance(command, _ResetPrefixCache):
-                command.loop.call_soon_threadsafe(_settle, command.done, dead)
-            elif isinstance(command, _Stop):
-                command.done.set()
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        self._dead = error
+        for loop, accepted, _ in self._accepting.values():
+            _call_in(loop, _settle, accepted, error)
+        for loop, done in self._resets.values():
+            _call_in(loop, _settle, done, error)
+        for loop, outputs in self._streams.values():
+            _call_in(loop, outputs.put_nowait, error)
+        self._accepting.clear()
+        self._resets.clear()
+        self._streams.clear()
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the loop is closed: its caller is gone
+        pass
 
 
 def _settle(future: asyncio.Future, error: BaseException | None, result: object = None) -> None:

@@ -3,7 +3,7 @@
 The engine loads before the port opens, so a client that sees the port answering can be
 served. On SIGINT/SIGTERM uvicorn stops accepting connections and lets in-flight requests
 finish for `--shutdown-timeout` seconds; whatever is still running is then aborted, the
-engine thread stops and the process exits 0.
+engine core stops and the process exits 0.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "chunkserve",
-                "max_model_len": engine.engine.max_model_len}
+                "max_model_len": engine.info.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -94,7 +94,7 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
     async def debug_steps(last: int = 100):
         if last < 1:
             raise InvalidRequestError(f"last must be at least 1, got {last}", "last")
-        records = list(engine.engine.step_records)[-last:]  # list() of a deque is atomic under the GIL
+        records = list(engine.step_records)[-last:]  # list() of a deque is atomic under the GIL
         return {"steps": [record.to_dict() for record in records]}
 
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
@@ -174,8 +174,9 @@ class _GracefulServer(uvicorn.Server):
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
-    engine = AsyncLLM.from_engine_args(engine_args, max_waiting_requests=server_args.max_waiting_requests)
-    model_name = server_args.served_model_name or engine.engine.source.name
+    engine = AsyncLLM.from_engine_args(engine_args, max_waiting_requests=server_args.max_waiting_requests,
+                                       multiprocess=not server_args.disable_frontend_multiprocessing)
+    model_name = server_args.served_model_name or engine.info.model_name
     metrics = EngineMetrics(model_name)
     engine.observers.append(metrics.observe)
     trace = StepTraceWriter(server_args.trace_steps) if server_args.trace_steps else None

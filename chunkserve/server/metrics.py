@@ -1,7 +1,7 @@
 """Prometheus metrics, named after vLLM's with a `chunkserve:` prefix.
 
-`EngineMetrics.observe` is an AsyncLLM step observer: it runs in the engine thread after
-every step (prometheus_client's metrics are thread-safe) and reads only the step record,
+`EngineMetrics.observe` is an AsyncLLM step observer: it runs on the thread that receives
+the engine's events after every step (prometheus_client's metrics are thread-safe) and reads only the step record,
 the outputs and the scheduler's stats.
 """
 

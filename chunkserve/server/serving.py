@@ -51,7 +51,7 @@ class Serving:
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: self.tokenizer.decode([t]))
 
     def check_model(self, model: str | None) -> None:

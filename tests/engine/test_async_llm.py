@@ -1,14 +1,16 @@
-"""AsyncLLM: the engine on its own thread, driven from asyncio."""
+"""AsyncLLM: the engine core on a thread or in a process of its own, driven from asyncio."""
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 
 import pytest
 
 from chunkserve import InvalidRequestError, SamplingParams
+from chunkserve.config import EngineArgs
 from chunkserve.engine.async_llm import AsyncLLM
-from chunkserve.errors import ServerOverloadedError
+from chunkserve.errors import EngineDeadError, ServerOverloadedError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -16,7 +18,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 @pytest.fixture
 def async_llm(default_llm):
     """An AsyncLLM over the shared engine; the engine is back to the offline API afterwards."""
-    engine = AsyncLLM(default_llm.engine)
+    engine = AsyncLLM.from_engine(default_llm.engine)
     yield engine
     engine.shutdown()
     assert not engine.is_running
@@ -49,7 +51,7 @@ def test_invalid_requests_raise_before_streaming(async_llm):
 
 
 def test_overload_is_refused(default_llm):
-    engine = AsyncLLM(default_llm.engine, max_waiting_requests=0)
+    engine = AsyncLLM.from_engine(default_llm.engine, max_waiting_requests=0)
     try:
         async def run():
             with pytest.raises(ServerOverloadedError, match="already waiting"):
@@ -95,3 +97,84 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(async_ll
 
     final = asyncio.run(run())
     assert final.finished and len(final.outputs[0].token_ids) == 8
+
+
+# ----- the engine core in a process of its own (what `chunkserve serve` runs) --------------------
+
+PROCESS_ARGS = EngineArgs(max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32)  # as default_llm
+
+
+def engine_process(others: list[multiprocessing.Process]) -> multiprocessing.Process:
+    (process,) = [p for p in multiprocessing.active_children() if p not in others]
+    return process
+
+
+@pytest.fixture(scope="module")
+def process_llm():
+    llm = AsyncLLM.from_engine_args(PROCESS_ARGS)
+    yield llm
+    llm.shutdown()
+    assert not llm.is_running and not multiprocessing.active_children()
+
+
+def test_engine_process_streams_the_offline_text_and_frees_every_block(process_llm, default_llm):
+    prompts = ["Hello there", "The capital of France is", "1, 2, 3,"]
+    expected = [o.outputs[0] for o in default_llm.generate(prompts, GREEDY)]
+    seen = []
+    process_llm.observers.append(lambda record, outputs, stats: seen.append((record, stats)))
+
+    async def run(prompt: str, index: int):
+        stream = await process_llm.add_request(f"p{index}", prompt, GREEDY)
+        return [output async for output in stream]
+
+    async def run_all():
+        return await asyncio.gather(*(run(p, i) for i, p in enumerate(prompts)))
+
+    results = asyncio.run(run_all())
+    process_llm.observers.clear()
+    for outputs, want in zip(results, expected):
+        assert [o.finished for o in outputs] == [False] * 7 + [True]
+        assert "".join(o.outputs[0].text_delta for o in outputs) == want.text
+        assert outputs[-1].outputs[0].token_ids == want.token_ids
+    steps = [record for record, _ in seen if record is not None]
+    assert steps and list(process_llm.step_records)[-len(steps):] == steps
+    final = seen[-1][1]
+    assert final.num_running == final.num_waiting == 0 and final.num_free_blocks == final.num_blocks
+
+
+def test_engine_process_refusals_keep_their_type_and_field(process_llm):
+    async def run():
+        with pytest.raises(InvalidRequestError, match="prompt is empty") as refused:
+            await process_llm.add_request("empty", "", GREEDY)
+        assert refused.value.param == "prompt"
+        stream = await process_llm.add_request("twice", "Hi", GREEDY)
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await process_llm.add_request("twice", "Hi", GREEDY)
+        return [output async for output in stream][-1]
+
+    assert asyncio.run(run()).finished
+
+
+def test_engine_process_that_cannot_start_raises_why():
+    before = multiprocessing.active_children()
+    with pytest.raises(InvalidRequestError, match="max_model_len 1000000 exceeds the model's limit"):
+        AsyncLLM.from_engine_args(EngineArgs(max_model_len=10**6, kv_cache_memory_gb=0.25))
+    assert multiprocessing.active_children() == before
+
+
+def test_a_killed_engine_process_fails_its_streams_and_refuses_new_requests():
+    others = multiprocessing.active_children()
+    llm = AsyncLLM.from_engine_args(PROCESS_ARGS)
+
+    async def run():
+        stream = await llm.add_request("doomed", "Tell me a story", SamplingParams(max_tokens=400))
+        with pytest.raises(EngineDeadError, match="exited unexpectedly"):
+            async for output in stream:
+                if len(output.outputs[0].token_ids) == 1:
+                    engine_process(others).kill()  # as the OOM killer would
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("late", "Hi", GREEDY)
+
+    asyncio.run(run())
+    assert not llm.is_running
+    llm.shutdown()
