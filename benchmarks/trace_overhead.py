@@ -1,7 +1,8 @@
 """What the step trace (`chunkserve serve --trace-steps FILE`) costs per engine step.
 
-The trace writer runs in the engine thread after every step, so its cost adds to every
-step. This times `StepTraceWriter.observe` on realistic step records written to a real
+The trace writer runs after every step on the thread that receives the engine's events
+(the engine thread itself with --disable-frontend-multiprocessing, where its cost adds to
+every step). This times `StepTraceWriter.observe` on realistic step records written to a real
 file, and prints the cost per step next to the duration of the fastest step our engine
 runs (a batch-1 decode step of the default model, about 30-40 ms on 2 cores; see
 docs/BENCHMARKS.md).
