@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import time
 
 import pytest
 
@@ -131,13 +132,17 @@ def test_engine_process_streams_the_offline_text_and_frees_every_block(process_l
         return await asyncio.gather(*(run(p, i) for i, p in enumerate(prompts)))
 
     results = asyncio.run(run_all())
+    deadline = time.monotonic() + 10  # the observers run on the receiver thread, after the streams are fed
+    while not (seen and seen[-1][1].num_running == 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
     process_llm.observers.clear()
     for outputs, want in zip(results, expected):
         assert [o.finished for o in outputs] == [False] * 7 + [True]
         assert "".join(o.outputs[0].text_delta for o in outputs) == want.text
         assert outputs[-1].outputs[0].token_ids == want.token_ids
     steps = [record for record, _ in seen if record is not None]
-    assert steps and list(process_llm.step_records)[-len(steps):] == steps
+    kept = {record.step_id: record for record in process_llm.step_records}
+    assert steps and all(kept[record.step_id] == record for record in steps)
     final = seen[-1][1]
     assert final.num_running == final.num_waiting == 0 and final.num_free_blocks == final.num_blocks
 
