@@ -1,11 +1,12 @@
-"""The C++ small-batch linear (csrc/small_batch_linear.cpp) against MKL's GEMM (F.linear).
+"""The C++ small-batch linear (csrc/small_batch_linear.cpp) against MKL's GEMM (F.linear) and
+oneDNN's linear on weights packed once (what vLLM's CPU build and torch's inductor use).
 
 For SmolLM2-135M's layer shapes (fused qkv, o, fused gate/up, down: one weight per layer, 30
 layers, so the weights come from memory as in a real step; the LM head once) and a range of
 row counts: the time of all of them, per shape, by MKL, by the C++ kernel on float32 weights,
-and by the C++ kernel on the GGUF blocks the default model ships (Q4_1 layers, a Q8_0 LM
-head). This is how `SMALL_BATCH_MAX_ROWS` in chunkserve/worker/cpp_ops.py was chosen. Weights
-are random: only shapes matter here.
+by the C++ kernel on the GGUF blocks the default model ships (Q4_1 layers, a Q8_0 LM head),
+and by oneDNN on float32 weights reordered for it at load. This is how the row ranges in
+chunkserve/worker/cpp_ops.py were chosen. Weights are random: only shapes matter here.
 
     .venv/bin/python benchmarks/small_batch_linear.py [--rows 1 8 16 32 64] [--repeats 5]
 """
@@ -21,7 +22,7 @@ import gguf
 import torch
 import torch.nn.functional as F
 
-from chunkserve.worker.cpp_ops import build_cpp_ops
+from chunkserve.worker.cpp_ops import build_cpp_ops, onednn_linear, pack_for_onednn
 
 LAYERS = 30
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -44,17 +45,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     ops = build_cpp_ops()
-    weights, blocks = {}, {}
+    weights, blocks, packed = {}, {}, {}
     for name, shape in SHAPES.items():
         copies = 1 if name == "lm_head" else LAYERS
         weights[name] = [torch.randn(shape) for _ in range(copies)]
+        packed[name] = [pack_for_onednn(w) for w in weights[name]]
         block_type = Q8_0 if name == "lm_head" else Q4_1
         quantized = torch.from_numpy(gguf.quants.quantize(weights[name][0].numpy(), block_type))
         blocks[name] = [(quantized.clone(), int(block_type)) for _ in range(copies)]  # distinct memory, as 30 layers
-    print(f"{'rows':>5}{'MKL ms':>9}{'C++ ms':>9}{'blocks ms':>11}{'C++/MKL':>9}{'blocks/MKL':>12}"
-          "   per shape, MKL / C++ / blocks ms")
+    print(f"{'rows':>5}{'MKL ms':>9}{'C++ ms':>9}{'blocks ms':>11}{'oneDNN ms':>11}{'C++/MKL':>9}{'blocks/MKL':>12}"
+          f"{'oneDNN/MKL':>12}   per shape, MKL / C++ / blocks / oneDNN ms")
     for rows in args.rows:
-        totals = [0.0, 0.0, 0.0]
+        totals = [0.0, 0.0, 0.0, 0.0]
         per_shape = []
         for name, shape in SHAPES.items():
             x = torch.randn(rows, shape[1])
@@ -62,11 +64,13 @@ def main() -> None:
                 median_ms(lambda: [F.linear(x, w) for w in weights[name]], args.repeats),
                 median_ms(lambda: [ops.small_batch_linear(x, w, None) for w in weights[name]], args.repeats),
                 median_ms(lambda: [ops.block_quantized_linear(x, b, t, None) for b, t in blocks[name]], args.repeats),
+                median_ms(lambda: [onednn_linear(x, p, None) for p in packed[name]], args.repeats),
             ]
             totals = [total + t for total, t in zip(totals, times)]
             per_shape.append(f"{name} " + "/".join(f"{t:.1f}" for t in times))
-        mkl, cpp, quantized = totals
-        print(f"{rows:>5}{mkl:>9.1f}{cpp:>9.1f}{quantized:>11.1f}{mkl / cpp:>8.2f}x{mkl / quantized:>11.2f}x   "
+        mkl, cpp, quantized, onednn = totals
+        print(f"{rows:>5}{mkl:>9.1f}{cpp:>9.1f}{quantized:>11.1f}{onednn:>11.1f}{mkl / cpp:>8.2f}x"
+              f"{mkl / quantized:>11.2f}x{mkl / onednn:>11.2f}x   "
               + ", ".join(per_shape))
 
 

@@ -25,9 +25,10 @@ class UsesOps:
 
 class Linear(nn.Linear, UsesOps):
     blocks: BlockWeight | None = None  # the weight as GGUF blocks, where it was loaded from them
+    packed: torch.Tensor | None = None  # the weight in the ops' preferred layout (set with the ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias, self.blocks)
+        return self.ops.linear(x, self.weight, self.bias, self.blocks, self.packed)
 
 
 class RMSNorm(nn.Module, UsesOps):
@@ -135,10 +136,13 @@ class LlamaModel(nn.Module, UsesOps):
         self.requires_grad_(False)
 
     def set_ops(self, ops: ModelOps) -> None:
-        """Compute every layer (and the LM head) through `ops`."""
+        """Compute every layer (and the LM head) through `ops`; call it after the weights are
+        loaded, since the layers' weights are packed for `ops` here."""
         for module in self.modules():
             if isinstance(module, UsesOps):
                 module.ops = ops
+            if isinstance(module, Linear) and module is not self.lm_head:  # the head goes through ops.logits
+                module.packed = ops.pack_linear_weight(module.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

@@ -8,7 +8,8 @@ not build.
 
 A linear layer loaded from a block-quantized GGUF tensor also carries its `BlockWeight`; ops
 that can compute from the blocks may, ops that cannot use the float weight, which is the
-blocks' exact dequantization.
+blocks' exact dequantization. A layer may also carry its weight in a layout the ops prefer
+(`pack_linear_weight`, made once when the ops are set).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class BlockWeight:
 
 @dataclass(frozen=True)
 class ModelOps:
-    # (x, weight, bias, blocks) -> F.linear(x, weight, bias); `blocks` the same weight as GGUF blocks, or None
-    linear: Callable[[Tensor, Tensor, Tensor | None, BlockWeight | None], Tensor]
+    # (x, weight, bias, blocks, packed) -> F.linear(x, weight, bias); `blocks` the same weight as GGUF
+    # blocks, or None; `packed` the same weight as `pack_linear_weight` made it, or None
+    linear: Callable[[Tensor, Tensor, Tensor | None, BlockWeight | None, Tensor | None], Tensor]
     logits: Callable[[Tensor, Tensor, Tensor | None, BlockWeight | None], Tensor]  # the LM head's (vocab-sized)
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # (x, weight, eps), over the last dim
     # (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual); may update residual in place
@@ -55,10 +57,17 @@ class ModelOps:
     # (q [T, H, D], k [T, KH, D], cos [T, D/2], sin [T, D/2]) -> rotated (q, k), neox layout; may rotate in place
     rotary: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     silu_and_mul: Callable[[Tensor], Tensor]  # [T, 2I] -> silu(first half) * second half
+    # weight [out, in] -> the same weight in the layout `linear` reads fastest, or None (keep the float weight)
+    pack_linear_weight: Callable[[Tensor], Tensor | None]
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, blocks: BlockWeight | None = None) -> Tensor:
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, blocks: BlockWeight | None = None,
+            packed: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
+
+
+def _no_packing(weight: Tensor) -> None:
+    return None
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -86,4 +95,4 @@ def _silu_and_mul(x: Tensor) -> Tensor:
 
 
 TORCH_OPS = ModelOps(linear=_linear, logits=_linear, rms_norm=_rms_norm, add_rms_norm=_add_rms_norm, rotary=_rotary,
-                     silu_and_mul=_silu_and_mul)
+                     silu_and_mul=_silu_and_mul, pack_linear_weight=_no_packing)

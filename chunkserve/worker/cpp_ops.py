@@ -9,6 +9,8 @@
   of their float32 dequantization (3.8-7x fewer bytes per step, the same result).
 - `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
   layer's small ops, one call each instead of a chain of torch calls.
+- Not ours but torch's: oneDNN's linear on weights packed once at load (`onednn_linear`), for
+  the layers' steps of `ONEDNN_MIN_ROWS` rows and more, where it beats both MKL and our kernel.
 
 The last five reach the model as a `ModelOps` (model/ops.py), whose plain-torch set
 `TORCH_OPS` they are tested against.
@@ -45,9 +47,32 @@ _SOURCES = [os.path.join(_CSRC, name)
 # whole steps (benchmarks/step_time_curve.py) a 96-row step is 1.28x faster than with MKL, a
 # 256-row one 1.08x, a 512-row one 1.02x.
 SMALL_BATCH_MAX_ROWS = 512
+# From this many rows oneDNN's linear on packed weights beats the C++ kernel, on float32
+# weights and on the GGUF blocks alike (benchmarks/small_batch_linear.py, the 30 layers: equal
+# at 16-24 rows, 59 against 69 ms at 32, 1.5x at 256); below, the kernel reading the blocks
+# moves fewer bytes. Layers whose weight could not be packed keep the rules above.
+ONEDNN_MIN_ROWS = 32
 # The LM head (49152 x 576) is a shape MKL handles poorly: the C++ kernel is faster up to
 # 1024 rows at least (300 vs 397 ms at 1024).
 LOGITS_MAX_ROWS = 1024
+
+
+
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] reordered once into oneDNN's blocked layout for `onednn_linear`, or
+    None where this torch has no oneDNN or the weight is not float32. The layout is chosen
+    for a 256-row batch; any row count runs on it."""
+    if not torch.backends.mkldnn.is_available() or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 256)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear on a weight from `pack_for_onednn` (the op torch's inductor uses for frozen CPU
+    linears): on this host oneDNN's kernels run this model's shapes 1.4-1.5x faster than MKL's
+    SGEMM, which F.linear calls (benchmarks/small_batch_linear.py)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
 
 # (q, k_cache, v_cache, block_tables, context_lens, block_size, scale) -> attention output
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
@@ -65,15 +90,21 @@ class CppOps:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
+    onednn_linear: Callable[..., torch.Tensor]
+    pack_linear_weight: Callable[[torch.Tensor], torch.Tensor | None]
 
     def model_ops(self) -> ModelOps:
         return ModelOps(linear=self.linear, logits=self.logits, rms_norm=self.rms_norm, add_rms_norm=self.add_rms_norm,
-                        rotary=self.rotary_embedding, silu_and_mul=self.silu_and_mul)
+                        rotary=self.rotary_embedding, silu_and_mul=self.silu_and_mul,
+                        pack_linear_weight=self.pack_linear_weight)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               blocks: BlockWeight | None = None) -> torch.Tensor:
-        """F.linear, by the C++ kernel for a float32 batch of at most SMALL_BATCH_MAX_ROWS rows
-        (from `blocks` where the weight has them)."""
+               blocks: BlockWeight | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear: by oneDNN on the `packed` weight for a float32 batch of ONEDNN_MIN_ROWS rows
+        or more, else by the C++ kernel for one of at most SMALL_BATCH_MAX_ROWS rows (from
+        `blocks` where the weight has them), else by MKL."""
+        if packed is not None and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS and x.dtype == torch.float32:
+            return self.onednn_linear(x, packed, bias)
         return self._linear_up_to(SMALL_BATCH_MAX_ROWS, x, weight, bias, blocks)
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -107,7 +138,8 @@ def build_cpp_ops() -> CppOps:
     return CppOps(decode_attention=module.paged_decode_attention, small_batch_linear=module.small_batch_linear,
                   block_quantized_linear=module.block_quantized_linear,
                   rms_norm=module.rms_norm, add_rms_norm=module.add_rms_norm,
-                  rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul)
+                  rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul,
+                  onednn_linear=onednn_linear, pack_linear_weight=pack_for_onednn)
 
 
 def cpp_ops_for(backend: str) -> CppOps | None:

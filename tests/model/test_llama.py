@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from chunkserve.model.llama import Linear
 from chunkserve.model.loader import load_model, load_model_config, resolve_model
 
 from tests.paged_runner import PagedRunner, reference_logits
@@ -42,12 +43,15 @@ def test_prompt_logits_match_transformers_for_any_chunk_size(models, chunk):
 def test_chunks_mixed_with_other_requests_decodes(models, chunk, backend, request):
     """A chunked prompt and four decoding requests share every forward; the decodes' contexts
     differ enough to be attended in separate groups whose rows interleave (torch), or are
-    read in place through their block tables and the small steps' linear layers run by the
-    C++ kernel (cpp)."""
+    read in place through their block tables, the linear layers of the 11-row steps run by
+    the C++ kernel and of the 68-row steps by oneDNN on weights packed at set-up (cpp)."""
     reference, model, config = models
     rng = np.random.default_rng(2)
     ops = request.getfixturevalue("cpp_ops") if backend == "cpp" else None
     runner = PagedRunner(model, config, cpp_ops=ops)
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    assert {m.packed is not None for m in layers} == {backend == "cpp" and torch.backends.mkldnn.is_available()}
+    assert model.lm_head is None or model.lm_head.packed is None
     decoders = {f"d{i}": rng.integers(0, config.vocab_size, n).tolist() for i, n in enumerate((5, 80, 7, 33))}
     for request_id, tokens in decoders.items():
         runner.add(request_id, tokens)

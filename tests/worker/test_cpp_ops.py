@@ -12,7 +12,14 @@ import torch.nn.functional as F
 
 from chunkserve.model.ops import BLOCK_TYPES, TORCH_OPS, BlockWeight
 from chunkserve.worker import cpp_ops as cpp_ops_module
-from chunkserve.worker.cpp_ops import LOGITS_MAX_ROWS, SMALL_BATCH_MAX_ROWS, cpp_ops_for
+from chunkserve.worker.cpp_ops import (
+    LOGITS_MAX_ROWS,
+    ONEDNN_MIN_ROWS,
+    SMALL_BATCH_MAX_ROWS,
+    cpp_ops_for,
+    onednn_linear,
+    pack_for_onednn,
+)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, SMALL_BATCH_MAX_ROWS])
@@ -99,6 +106,39 @@ def test_a_weight_with_blocks_is_read_from_them_up_to_the_same_row_limits(cpp_op
     ops.logits(torch.randn(LOGITS_MAX_ROWS, 64), weight, None, blocks)
     ops.logits(torch.randn(LOGITS_MAX_ROWS + 1, 64), weight, None, blocks)
     assert block_rows_seen == [1, SMALL_BATCH_MAX_ROWS, LOGITS_MAX_ROWS]
+
+
+@pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 300])
+@pytest.mark.parametrize("features, depth", [(960, 576), (577, 1536), (5, 13)])
+def test_onednn_linear_on_the_packed_weight_equals_f_linear(rows, features, depth):
+    generator = torch.Generator().manual_seed(rows + features)
+    x = torch.randn(rows, depth, generator=generator)
+    weight = torch.randn(features, depth, generator=generator)
+    bias = torch.randn(features, generator=generator)
+    packed = pack_for_onednn(weight)
+    if packed is None:
+        pytest.skip("this torch build has no oneDNN")
+    torch.testing.assert_close(onednn_linear(x, packed, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(onednn_linear(x[::2], packed, bias), F.linear(x[::2], weight, bias), rtol=1e-4, atol=1e-4)
+    assert pack_for_onednn(weight.double()) is None
+
+
+def test_a_packed_weight_takes_the_batches_from_onednn_min_rows(cpp_ops):
+    """Below ONEDNN_MIN_ROWS the kernel reads the blocks; from there on oneDNN reads the
+    packed weight, whatever the blocks (float32 only)."""
+    routes = []
+    ops = dataclasses.replace(
+        cpp_ops,
+        block_quantized_linear=lambda x, *rest: routes.append(("blocks", x.shape[0])) or torch.zeros(x.shape[0], 16),
+        onednn_linear=lambda x, packed, bias: routes.append(("onednn", x.shape[0])) or torch.zeros(x.shape[0], 16),
+    )
+    blocks, weight = quantized(torch.randn(16, 64), "Q8_0")
+    packed = torch.empty(0)  # never read: the recording op stands in for oneDNN
+    for rows in (1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, SMALL_BATCH_MAX_ROWS + 1):
+        ops.linear(torch.randn(rows, 64), weight, None, blocks, packed)
+    ops.linear(torch.randn(ONEDNN_MIN_ROWS, 64, dtype=torch.float64), weight.double(), None, None, packed)
+    assert routes == [("blocks", 1), ("blocks", ONEDNN_MIN_ROWS - 1), ("onednn", ONEDNN_MIN_ROWS),
+                      ("onednn", SMALL_BATCH_MAX_ROWS + 1)]
 
 
 @pytest.mark.parametrize("rows", [1, 8, 300])
