@@ -60,11 +60,23 @@ LOGITS_MAX_ROWS = 1024
 
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [out, in] reordered once into oneDNN's blocked layout for `onednn_linear`, or
-    None where this torch has no oneDNN or the weight is not float32. The layout is chosen
-    for a 256-row batch; any row count runs on it."""
-    if not torch.backends.mkldnn.is_available() or weight.dtype != torch.float32 or weight.dim() != 2:
+    None where this torch cannot or the weight is not float32. The layout is chosen for a
+    256-row batch; any row count runs on it."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or not _onednn_packing_works():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 256)
+
+
+@functools.cache
+def _onednn_packing_works() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8), 256)
+        return True
+    except (RuntimeError, AttributeError) as error:  # a build whose oneDNN lacks the op
+        logger.warning("oneDNN cannot pack weights here (%s); the layers keep the C++ kernel and MKL", error)
+        return False
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,51 @@
+"""Whole engine steps with the layers' oneDNN-packed weights on and off (in-process, the
+default model): what `ONEDNN_MIN_ROWS` buys per step shape. Each shape is timed `--repeats`
+times, alternating the two, with `LLMEngine.time_synthetic_step`; medians are printed.
+
+    .venv/bin/python benchmarks/onednn_steps.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from chunkserve.config import EngineArgs
+from chunkserve.engine.llm_engine import LLMEngine
+from chunkserve.model.llama import Linear
+
+# name -> (start position, tokens) per request, as time_synthetic_step takes them
+SHAPES = {
+    "8 decodes (under 32 rows: unchanged path)": [(256, 1)] * 8,
+    "64 decodes at context 300": [(300, 1)] * 64,
+    "a 256-token chunk": [(0, 256)],
+    "8 decodes + a 248-token chunk at context 1024": [(256, 1)] * 8 + [(1024, 248)],
+    "a 512-token chunk": [(0, 512)],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    engine = LLMEngine(EngineArgs(kv_cache_memory_gb=1, max_num_batched_tokens=512))
+    model = engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    packed = [layer.packed for layer in layers]
+    if any(p is None for p in packed):
+        raise SystemExit("the layers are not packed here (no C++ ops or no oneDNN): nothing to compare")
+    print("| step | before | oneDNN | ratio |")
+    print("|---|---|---|---|")
+    for name, rows in SHAPES.items():
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for repeat in range(args.repeats):
+            for use_packed in (True, False):
+                for layer, weight in zip(layers, packed):
+                    layer.packed = weight if use_packed else None
+                times[use_packed].append(engine.time_synthetic_step(rows, seed=repeat) * 1000)
+        on, off = statistics.median(times[True]), statistics.median(times[False])
+        print(f"| {name} | {off:.1f} ms | {on:.1f} ms | {on / off:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
