@@ -57,7 +57,6 @@ ONEDNN_MIN_ROWS = 32
 LOGITS_MAX_ROWS = 1024
 
 
-
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [out, in] reordered once into oneDNN's blocked layout for `onednn_linear`, or
     None where this torch cannot or the weight is not float32. The layout is chosen for a
