@@ -49,8 +49,9 @@ _SOURCES = [os.path.join(_CSRC, name)
 SMALL_BATCH_MAX_ROWS = 512
 # From this many rows oneDNN's linear on packed weights beats the C++ kernel, on float32
 # weights and on the GGUF blocks alike (benchmarks/small_batch_linear.py, the 30 layers: equal
-# at 16-24 rows, 59 against 69 ms at 32, 1.5x at 256); below, the kernel reading the blocks
-# moves fewer bytes. Layers whose weight could not be packed keep the rules above.
+# at 16-24 rows, 59 against 69 ms at 32, 1.5x at 256; in whole steps equal at 32-48 rows and
+# 0.91x at 64); below, the kernel reading the blocks moves fewer bytes. Layers whose weight
+# could not be packed keep the rules above.
 ONEDNN_MIN_ROWS = 32
 # The LM head (49152 x 576) is a shape MKL handles poorly: the C++ kernel is faster up to
 # 1024 rows at least (300 vs 397 ms at 1024).
