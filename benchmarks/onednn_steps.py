@@ -17,6 +17,9 @@ from chunkserve.model.llama import Linear
 # name -> (start position, tokens) per request, as time_synthetic_step takes them
 SHAPES = {
     "8 decodes (under 32 rows: unchanged path)": [(256, 1)] * 8,
+    "a 32-token chunk": [(0, 32)],
+    "a 48-token chunk": [(0, 48)],
+    "a 64-token chunk": [(0, 64)],
     "64 decodes at context 300": [(300, 1)] * 64,
     "a 256-token chunk": [(0, 256)],
     "8 decodes + a 248-token chunk at context 1024": [(256, 1)] * 8 + [(1024, 248)],
