@@ -111,16 +111,36 @@ def test_a_weight_with_blocks_is_read_from_them_up_to_the_same_row_limits(cpp_op
 @pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 300])
 @pytest.mark.parametrize("features, depth", [(960, 576), (577, 1536), (5, 13)])
 def test_onednn_linear_on_the_packed_weight_equals_f_linear(rows, features, depth):
+    """Needs oneDNN, which every build of the pinned torch ships (x86 and ARM CPU wheels alike);
+    the fallback where it is missing is the next test."""
     generator = torch.Generator().manual_seed(rows + features)
     x = torch.randn(rows, depth, generator=generator)
     weight = torch.randn(features, depth, generator=generator)
     bias = torch.randn(features, generator=generator)
     packed = pack_for_onednn(weight)
-    if packed is None:
-        pytest.skip("this torch build has no oneDNN")
+    assert packed is not None, "this torch cannot pack weights for oneDNN"
     torch.testing.assert_close(onednn_linear(x, packed, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(onednn_linear(x[::2], packed, bias), F.linear(x[::2], weight, bias), rtol=1e-4, atol=1e-4)
     assert pack_for_onednn(weight.double()) is None
+
+
+@pytest.mark.parametrize("missing", ["oneDNN", "the reorder op"])
+def test_without_onednn_no_weight_is_packed(monkeypatch, caplog, missing):
+    """The layers then keep the C++ kernel and MKL; a oneDNN that lacks the op is said once."""
+    if missing == "oneDNN":
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    else:
+        def no_reorder(*args):
+            raise RuntimeError("no such op")
+
+        monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", no_reorder)
+    cpp_ops_module._onednn_packing_works.cache_clear()
+    try:
+        assert pack_for_onednn(torch.randn(16, 8)) is None and pack_for_onednn(torch.randn(4, 8)) is None
+    finally:
+        cpp_ops_module._onednn_packing_works.cache_clear()
+    warnings = [r for r in caplog.records if "oneDNN cannot pack weights here" in r.getMessage()]
+    assert len(warnings) == (1 if missing == "the reorder op" else 0)
 
 
 def test_a_packed_weight_takes_the_batches_from_onednn_min_rows(cpp_ops):
