@@ -1,0 +1,117 @@
+"""The C++ decode attention (csrc/paged_attention.cpp) over a whole step's KV, in GB/s, and
+against the same kernel at an earlier commit.
+
+A Scenario A-sized decode step: 64 decodes with contexts of 260-300 tokens, SmolLM2-135M's
+heads (9 query heads, 3 kv heads of 64), 16-slot blocks scattered at random over a pool, and
+30 layers with a cache each, so that the KV comes from memory as in a real step (~0.85 GB).
+With `--baseline REV`, the kernel as it was at REV is built beside the current one and the two
+run alternately, `--rounds` times each; both must give the same output. The streaming read
+rate (a sum over 1 GiB) is measured beside them: the rate memory gives to a plain scan.
+
+    .venv/bin/python benchmarks/decode_attention.py [--baseline d0a2295] [--rounds 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+import chunkserve.worker.cpp_ops as cpp_ops
+
+DECODES, MIN_CONTEXT, MAX_CONTEXT, LAYERS = 64, 260, 300, 30
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, POOL_BLOCKS = 9, 3, 64, 16, 2048
+_BINDING = """#include "ops.h"
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention);
+}
+"""
+
+
+def kernel_at(revision: str, build_dir: str) -> Callable[..., torch.Tensor]:
+    """paged_decode_attention as csrc/ held it at `revision`, built on its own."""
+    csrc = os.path.relpath(cpp_ops._CSRC, _repository_root())
+    for name in ("ops.h", "simd.h", "paged_attention.cpp"):
+        source = subprocess.run(["git", "show", f"{revision}:{csrc}/{name}"], capture_output=True, text=True,
+                                check=True, cwd=_repository_root()).stdout
+        with open(os.path.join(build_dir, name), "w") as file:
+            file.write(source)
+    with open(os.path.join(build_dir, "binding.cpp"), "w") as file:
+        file.write(_BINDING)
+    from torch.utils.cpp_extension import load
+
+    module = load(name=f"decode_attention_{revision}", build_directory=build_dir, extra_include_paths=[build_dir],
+                  sources=[os.path.join(build_dir, "paged_attention.cpp"), os.path.join(build_dir, "binding.cpp")],
+                  extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    return module.paged_decode_attention
+
+
+def _repository_root() -> str:
+    return subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(__file__)).stdout.strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--baseline", help="a commit whose kernel runs alternately with the current one")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+
+    kernels = {"current": cpp_ops.build_cpp_ops().decode_attention}
+    with tempfile.TemporaryDirectory() as build_dir:
+        if args.baseline:
+            kernels[args.baseline] = kernel_at(args.baseline, build_dir)
+        generator = torch.Generator().manual_seed(0)
+        caches = [(torch.randn(POOL_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator),
+                   torch.randn(POOL_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator))
+                  for _ in range(LAYERS)]
+        max_blocks = -(-MAX_CONTEXT // BLOCK_SIZE)
+        tables = torch.randperm(POOL_BLOCKS, generator=generator)[: DECODES * max_blocks].view(DECODES, max_blocks)
+        context_lens = torch.randint(MIN_CONTEXT, MAX_CONTEXT + 1, (DECODES,), generator=generator)
+        q = torch.randn(DECODES, HEADS, HEAD_DIM, generator=generator)
+        scale = HEAD_DIM**-0.5
+
+        outputs = [kernel(q, *caches[0], tables, context_lens, BLOCK_SIZE, scale) for kernel in kernels.values()]
+        if any(not torch.equal(output, outputs[0]) for output in outputs):
+            raise SystemExit("the kernels disagree")
+
+        def step(kernel: Callable[..., torch.Tensor]) -> float:
+            start = time.perf_counter()
+            for k_cache, v_cache in caches:
+                kernel(q, k_cache, v_cache, tables, context_lens, BLOCK_SIZE, scale)
+            return time.perf_counter() - start
+
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for _ in range(args.rounds):
+            for name, kernel in kernels.items():
+                times[name].append(step(kernel))
+        data = torch.ones(1 << 28)
+        scan = min(_timed(data.sum) for _ in range(3))
+
+    kv_bytes = 2 * KV_HEADS * HEAD_DIM * 4 * int(context_lens.sum()) * LAYERS
+    print(f"{DECODES} decodes, contexts {MIN_CONTEXT}-{MAX_CONTEXT}, {LAYERS} layers: {kv_bytes / 1e9:.2f} GB of KV "
+          f"per step; streaming read {data.numel() * 4 / scan / 1e9:.1f} GB/s")
+    print("| kernel | step ms (median) | GB/s |")
+    print("|---|---|---|")
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        print(f"| {name} | {median * 1e3:.1f} | {kv_bytes / median / 1e9:.1f} |")
+    if args.baseline:
+        ratio = statistics.median(times["current"]) / statistics.median(times[args.baseline])
+        print(f"current / {args.baseline}: {ratio:.2f}x the time")
+
+
+def _timed(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    main()
