@@ -4,9 +4,16 @@ Runs `--num-prompts` random prompts of `--input-len` tokens, `--output-len` gree
 tokens each, all submitted at once (Scenario A's shape by default), through the offline `LLM`
 with the C++ ops, and sums the time spent in each of the model's ops (`ModelOps`: the linear
 layers, the LM head, the norms...), in decode attention (the C++ op), in the prefill chunks'
-SDPA, in writing the KV, in sampling and in building the batch. It also counts the linear
-layers' FLOPs, so their sustained GFLOP/s can be set against `torch.mm`'s peak measured
-right before and after (the best of 3 products of two 2048 x 2048 matrices).
+SDPA, in writing the KV, in sampling and in building the batch. It counts the work each
+heavy op must do (the FLOPs of the linear layers, the LM head and the prefill attention's
+attended pairs; the KV bytes decode attention reads) and its rate, set against `torch.mm`'s
+peak (the best of 3 products of two 2048 x 2048 matrices) and the streaming read rate (a sum
+over 1 GiB), measured right around the run.
+
+From those it prints the run's floor: the time if every FLOP ran at the best GEMM rate seen
+and every decode KV byte came at the streaming read rate, with nothing else to do (no norms,
+no sampling, no server). No float32 engine can run this workload on this machine faster;
+issue 5's Scenario A throughput target is set against it in docs/BENCHMARKS.md.
 
 Timers wrap Python calls (perf_counter around each), so they add a few microseconds per
 call; the wall time is the run's, timers included.
@@ -23,7 +30,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from engine_speed import gemm_peak_gflop_s  # benchmarks/, the script's own folder
+import torch
+from engine_speed import _timed, gemm_peak_gflop_s  # benchmarks/, the script's own folder
 
 import chunkserve.model.llama as llama
 import chunkserve.worker.model_runner as model_runner
@@ -42,7 +50,7 @@ def main() -> None:
     llm = LLM(max_num_batched_tokens=args.budget, kv_cache_memory_gb=1, op_backend="cpp")
     runner = llm.engine.runner
     seconds: dict[str, float] = collections.defaultdict(float)
-    linear_flop = [0.0]
+    work: dict[str, float] = collections.defaultdict(float)  # FLOPs, or bytes read for decode attention
 
     def timed(name: str, function: Callable) -> Callable:
         def wrapper(*call_args, **kwargs):
@@ -52,19 +60,36 @@ def main() -> None:
             return result
         return wrapper
 
-    def counted(function: Callable) -> Callable:
+    def counted(name: str, function: Callable) -> Callable:
         def wrapper(x, weight, *rest):
-            linear_flop[0] += 2 * x.shape[0] * weight.shape[0] * weight.shape[1]
+            work[name] += 2 * x.shape[0] * weight.shape[0] * weight.shape[1]
             return function(x, weight, *rest)
+        return wrapper
+
+    def counted_decode(function: Callable) -> Callable:
+        def wrapper(q, k_cache, v_cache, block_tables, context_lens, *rest):
+            slot_bytes = k_cache.shape[1] * k_cache.shape[2] * k_cache.element_size()
+            work["decode attention (C++)"] += 2 * slot_bytes * int(context_lens.sum())  # K and V, read once
+            return function(q, k_cache, v_cache, block_tables, context_lens, *rest)
+        return wrapper
+
+    def counted_sdpa(function: Callable) -> Callable:
+        def wrapper(queries, keys, values, attn_mask=None, is_causal=False, **kwargs):
+            heads, rows, head_dim = queries.shape[-3:]
+            pairs = int(attn_mask.sum()) if attn_mask is not None else rows * (rows + 1) // 2 if is_causal \
+                else rows * keys.shape[-2]
+            work["prefill attention (SDPA)"] += 4 * heads * head_dim * pairs  # q.k and p.v per attended pair
+            return function(queries, keys, values, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
         return wrapper
 
     ops = runner.cpp_ops.model_ops()
     timed_ops = {field.name: timed(field.name, getattr(ops, field.name)) for field in dataclasses.fields(ops)}
-    timed_ops["linear"] = counted(timed_ops["linear"])
+    for name in ("linear", "logits"):
+        timed_ops[name] = counted(name, timed_ops[name])
     runner.model.set_ops(dataclasses.replace(ops, **timed_ops))
-    runner.decode_kernel = timed("decode attention (C++)", runner.decode_kernel)
-    attention.F.scaled_dot_product_attention = timed("prefill attention (SDPA)",
-                                                     attention.F.scaled_dot_product_attention)
+    runner.decode_kernel = counted_decode(timed("decode attention (C++)", runner.decode_kernel))
+    attention.F.scaled_dot_product_attention = counted_sdpa(
+        timed("prefill attention (SDPA)", attention.F.scaled_dot_product_attention))
     llama.write_kv = timed("write KV", llama.write_kv)
     model_runner.sample = timed("sample", model_runner.sample)
     model_runner.build_forward_batch = timed("build batch", model_runner.build_forward_batch)
@@ -74,7 +99,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0), use_tqdm=False)
     seconds.clear()
-    linear_flop[0] = 0.0
+    work.clear()
     peak_before = gemm_peak_gflop_s(repeats=3)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
@@ -83,11 +108,32 @@ def main() -> None:
 
     print(f"{args.num_prompts} prompts x {args.input_len} in, {args.output_len} out, budget {args.budget}: "
           f"{wall:.1f} s, {args.num_prompts * args.output_len / wall:.1f} output tok/s")
-    print(f"torch.mm 2048^3 peak: {peak_before:.0f} GFLOP/s before, {peak_after:.0f} after")
+    read_rate = memory_read_gb_s(repeats=3)
+    print(f"torch.mm 2048^3 peak: {peak_before:.0f} GFLOP/s before, {peak_after:.0f} after; "
+          f"memory read (sum of 1 GiB): {read_rate:.1f} GB/s")
     for name, total in sorted(seconds.items(), key=lambda item: -item[1]):
-        print(f"  {name:26s} {total:7.2f} s  {100 * total / wall:5.1f}%")
-    rate = linear_flop[0] / seconds["linear"] / 1e9
-    print(f"  linear layers: {linear_flop[0] / 1e12:.2f} TFLOP at {rate:.0f} GFLOP/s")
+        rate = ""
+        if name == "decode attention (C++)":
+            rate = f"{work[name] / 1e9:8.1f} GB read at {work[name] / total / 1e9:5.1f} GB/s"
+        elif name in work:
+            rate = f"{work[name] / 1e12:8.2f} TFLOP at {work[name] / total / 1e9:5.0f} GFLOP/s"
+        print(f"  {name:26s} {total:7.2f} s  {100 * total / wall:5.1f}%  {rate}")
+
+    # The run's floor: every FLOP at the best GEMM rate seen (torch.mm's or the linear layers' own,
+    # whichever is higher) and the decodes' KV bytes at the streaming read rate.
+    peak = max(peak_before, peak_after, work["linear"] / seconds["linear"] / 1e9) * 1e9
+    floor = sum(total for name, total in work.items() if name != "decode attention (C++)") / peak \
+        + work["decode attention (C++)"] / (read_rate * 1e9)
+    print(f"floor (the linear, LM head and prefill attention FLOPs at {peak / 1e9:.0f} GFLOP/s, the decode KV at "
+          f"{read_rate:.1f} GB/s): {floor:.1f} s, {args.num_prompts * args.output_len / floor:.1f} output tok/s; "
+          f"this run took {wall / floor:.2f}x the floor")
+
+
+def memory_read_gb_s(repeats: int) -> float:
+    """Streaming read rate here and now: the best of `repeats` sums over 1 GiB of float32."""
+    data = torch.ones(1 << 28)
+    best = min(_timed(data.sum) for _ in range(repeats))
+    return data.numel() * data.element_size() / best / 1e9
 
 
 if __name__ == "__main__":
