@@ -86,12 +86,12 @@ def test_margin_is_how_far_the_model_has_recently_fallen_short():
     predictor.observe(shape, 0.1)
     assert predictor.margin == 1.0
     ratios = []
-    for i in range(100):  # every fifth step runs 30% slow
-        seconds = 0.13 if i % 5 == 0 else 0.1
+    for i in range(200):  # one step in fifty runs 30% slow: rare, but more than 1%
+        seconds = 0.13 if i % 50 == 0 else 0.1
         ratios.append(seconds / predictor.predict(shape))
         predictor.observe(shape, seconds)
-    assert 1.05 < predictor.margin < 1.3
-    assert predictor.margin == pytest.approx(np.quantile(ratios, 0.9))  # the p90 of actual / predicted
+    assert 1.2 < predictor.margin < 1.3  # the budget plans for those steps, not for the typical one
+    assert predictor.margin == pytest.approx(np.quantile(ratios, 0.99))  # the p99 of actual / predicted
 
 
 def test_profile_steps_fit_the_model_but_leave_no_error_or_margin():
