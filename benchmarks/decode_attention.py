@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from engine_speed import memory_read_gb_s  # benchmarks/, the script's own folder
 
 import chunkserve.worker.cpp_ops as cpp_ops
 
@@ -36,7 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 def kernel_at(revision: str, build_dir: str) -> Callable[..., torch.Tensor]:
     """paged_decode_attention as csrc/ held it at `revision`, built on its own."""
-    csrc = os.path.relpath(cpp_ops._CSRC, _repository_root())
+    csrc = os.path.relpath(os.path.join(os.path.dirname(cpp_ops.__file__), "csrc"), _repository_root())
     for name in ("ops.h", "simd.h", "paged_attention.cpp"):
         source = subprocess.run(["git", "show", f"{revision}:{csrc}/{name}"], capture_output=True, text=True,
                                 check=True, cwd=_repository_root()).stdout
@@ -91,12 +92,11 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, kernel in kernels.items():
                 times[name].append(step(kernel))
-        data = torch.ones(1 << 28)
-        scan = min(_timed(data.sum) for _ in range(3))
+        read_rate = memory_read_gb_s(repeats=3)
 
     kv_bytes = 2 * KV_HEADS * HEAD_DIM * 4 * int(context_lens.sum()) * LAYERS
     print(f"{DECODES} decodes, contexts {MIN_CONTEXT}-{MAX_CONTEXT}, {LAYERS} layers: {kv_bytes / 1e9:.2f} GB of KV "
-          f"per step; streaming read {data.numel() * 4 / scan / 1e9:.1f} GB/s")
+          f"per step; streaming read {read_rate:.1f} GB/s")
     print("| kernel | step ms (median) | GB/s |")
     print("|---|---|---|")
     for name, samples in times.items():
@@ -105,12 +105,6 @@ def main() -> None:
     if args.baseline:
         ratio = statistics.median(times["current"]) / statistics.median(times[args.baseline])
         print(f"current / {args.baseline}: {ratio:.2f}x the time")
-
-
-def _timed(run: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
 
 
 if __name__ == "__main__":

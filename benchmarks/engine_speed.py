@@ -163,6 +163,13 @@ def gemm_peak_gflop_s(repeats: int) -> float:
     return 2 * 2048**3 / best / 1e9
 
 
+def memory_read_gb_s(repeats: int) -> float:
+    """Streaming read rate here and now: the best of `repeats` sums over 1 GiB of float32."""
+    data = torch.ones(1 << 28)
+    best = min(_timed(data.sum) for _ in range(repeats))
+    return data.numel() * data.element_size() / best / 1e9
+
+
 def _timed(run: Callable[[], object]) -> float:
     start = time.perf_counter()
     run()

@@ -30,8 +30,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import torch
-from engine_speed import _timed, gemm_peak_gflop_s  # benchmarks/, the script's own folder
+from engine_speed import gemm_peak_gflop_s, memory_read_gb_s  # benchmarks/, the script's own folder
 
 import chunkserve.model.llama as llama
 import chunkserve.worker.model_runner as model_runner
@@ -127,13 +126,6 @@ def main() -> None:
     print(f"floor (the linear, LM head and prefill attention FLOPs at {peak / 1e9:.0f} GFLOP/s, the decode KV at "
           f"{read_rate:.1f} GB/s): {floor:.1f} s, {args.num_prompts * args.output_len / floor:.1f} output tok/s; "
           f"this run took {wall / floor:.2f}x the floor")
-
-
-def memory_read_gb_s(repeats: int) -> float:
-    """Streaming read rate here and now: the best of `repeats` sums over 1 GiB of float32."""
-    data = torch.ones(1 << 28)
-    best = min(_timed(data.sum) for _ in range(repeats))
-    return data.numel() * data.element_size() / best / 1e9
 
 
 if __name__ == "__main__":
