@@ -128,6 +128,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start_wall, start = time.time(), time.perf_counter()
+        margin = self.predictor.margin
         scheduled = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduled)
         self.last_step_record = None
@@ -153,6 +154,7 @@ class LLMEngine:
             predicted_duration_s=scheduled.predicted_duration_s,
             prediction_error_p50=errors[0] if errors else None,
             prediction_error_p90=errors[1] if errors else None,
+            slo_margin=margin,
             prefill_wait_guard=scheduled.prefill_wait_guard,
             forward_mode=scheduled.forward_mode,
             num_prefill_tokens=scheduled.num_prefill_tokens,

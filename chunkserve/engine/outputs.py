@@ -52,6 +52,7 @@ class StepRecord:
     predicted_duration_s: float | None  # by the step-time model before the step ran (None: no model yet)
     prediction_error_p50: float | None  # |predicted - actual| / actual over recent steps
     prediction_error_p90: float | None
+    slo_margin: float  # the model's safety margin as the step was scheduled: the TBT SLO budget aims at SLO / margin
     prefill_wait_guard: bool  # a prompt got tokens past the TBT SLO because it had waited too long
     forward_mode: ForwardMode
     num_prefill_tokens: int

@@ -91,7 +91,9 @@ def test_margin_is_how_far_the_model_has_recently_fallen_short():
         ratios.append(seconds / predictor.predict(shape))
         predictor.observe(shape, seconds)
     assert 1.2 < predictor.margin < 1.3  # the budget plans for those steps, not for the typical one
-    assert predictor.margin == pytest.approx(np.quantile(ratios, 0.99))  # the p99 of actual / predicted
+    # the p99 of actual / predicted (the max would be 1.3); the last steps' level, at the
+    # window's median, adds a tenth of a percent at most (each refit moves the prediction)
+    assert predictor.margin == pytest.approx(np.quantile(ratios, 0.99), abs=2e-3)
 
 
 def test_profile_steps_fit_the_model_but_leave_no_error_or_margin():
@@ -105,3 +107,21 @@ def test_profile_steps_fit_the_model_but_leave_no_error_or_margin():
     assert predictor.fitted and predictor.margin == 1.0 and predictor.error_quantiles() is None
     predictor.observe(StepShape(prefill_rows=128, prefill_attention=128 * 128 // 2), 0.15)
     assert predictor.error_quantiles() is not None
+
+
+def test_margin_rises_with_the_first_steps_of_a_slow_spell_and_falls_after_it():
+    """A p99 over a thousand steps barely moves when the host turns 25% slower for a few
+    seconds; the margin must follow at once, or every step of the spell runs over the SLO."""
+    predictor = StepTimePredictor(refit_every=8)
+    shape = StepShape(prefill_rows=100)
+    rng = random.Random(3)
+    for _ in range(400):
+        predictor.observe(shape, 0.1 * rng.uniform(0.95, 1.05))
+    steady = predictor.margin
+    assert steady == pytest.approx(1.05, abs=0.03)
+    for _ in range(3):  # the spell: fewer steps than a refit, so only the level can react
+        predictor.observe(shape, 0.1 * 1.25 * rng.uniform(0.95, 1.05))
+    assert predictor.margin > 1.2 * steady
+    for _ in range(3):
+        predictor.observe(shape, 0.1 * rng.uniform(0.95, 1.05))
+    assert predictor.margin == pytest.approx(steady, rel=0.03)
