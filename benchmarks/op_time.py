@@ -3,8 +3,8 @@
 Runs `--num-prompts` random prompts of `--input-len` tokens, `--output-len` greedy output
 tokens each, all submitted at once (Scenario A's shape by default), through the offline `LLM`
 with the C++ ops, and sums the time spent in each of the model's ops (`ModelOps`: the linear
-layers, the LM head, the norms...), in decode attention (the C++ op), in the prefill chunks'
-SDPA, in writing the KV, in sampling and in building the batch. It counts the work each
+layers, the LM head, the norms...), in decode attention and the prefill chunks' attention (the
+C++ ops), in writing the KV, in sampling and in building the batch. It counts the work each
 heavy op must do (the FLOPs of the linear layers, the LM head and the prefill attention's
 attended pairs; the KV bytes decode attention reads) and its rate, set against `torch.mm`'s
 peak (the best of 3 products of two 2048 x 2048 matrices) and the streaming read rate (a sum
@@ -35,7 +35,7 @@ from engine_speed import gemm_peak_gflop_s, memory_read_gb_s  # benchmarks/, the
 import chunkserve.model.llama as llama
 import chunkserve.worker.model_runner as model_runner
 from chunkserve import LLM, SamplingParams
-from chunkserve.worker import attention
+from chunkserve.core.step_predictor import chunk_attention
 
 
 def main() -> None:
@@ -72,13 +72,11 @@ def main() -> None:
             return function(q, k_cache, v_cache, block_tables, context_lens, *rest)
         return wrapper
 
-    def counted_sdpa(function: Callable) -> Callable:
-        def wrapper(queries, keys, values, attn_mask=None, is_causal=False, **kwargs):
-            heads, rows, head_dim = queries.shape[-3:]
-            pairs = int(attn_mask.sum()) if attn_mask is not None else rows * (rows + 1) // 2 if is_causal \
-                else rows * keys.shape[-2]
-            work["prefill attention (SDPA)"] += 4 * heads * head_dim * pairs  # q.k and p.v per attended pair
-            return function(queries, keys, values, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+    def counted_prefill(function: Callable) -> Callable:
+        def wrapper(q, k_cache, v_cache, block_table, start, *rest):
+            rows, heads, head_dim = q.shape
+            work["prefill attention (C++)"] += 4 * heads * head_dim * chunk_attention(start, rows)  # q.k and p.v
+            return function(q, k_cache, v_cache, block_table, start, *rest)
         return wrapper
 
     ops = runner.cpp_ops.model_ops()
@@ -87,8 +85,7 @@ def main() -> None:
         timed_ops[name] = counted(name, timed_ops[name])
     runner.model.set_ops(dataclasses.replace(ops, **timed_ops))
     runner.decode_kernel = counted_decode(timed("decode attention (C++)", runner.decode_kernel))
-    attention.F.scaled_dot_product_attention = counted_sdpa(
-        timed("prefill attention (SDPA)", attention.F.scaled_dot_product_attention))
+    runner.prefill_kernel = counted_prefill(timed("prefill attention (C++)", runner.prefill_kernel))
     llama.write_kv = timed("write KV", llama.write_kv)
     model_runner.sample = timed("sample", model_runner.sample)
     model_runner.build_forward_batch = timed("build batch", model_runner.build_forward_batch)

@@ -11,7 +11,8 @@ plain-torch path (the reference) gathers each group's keys, padded to its longes
 (a group's longest is at most twice its shortest, so one long-context decode does not make
 every short one read thousands of padded keys). Each prefill chunk is attended on its
 own, its queries at positions [c, c+n) seeing keys [0, c + i] (the earlier chunks from the
-cache plus its own keys, causally).
+cache plus its own keys, causally): with the C++ op in place through its block table, on the
+plain-torch path by gathering its keys for SDPA.
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chunkserve.worker.cpp_ops import DecodeKernel
+from chunkserve.worker.cpp_ops import DecodeKernel, PrefillKernel
 
 
 @dataclass
 class PrefillChunk:
     row_start: int  # first row of the chunk in the flat batch
     num_rows: int
-    key_slots: torch.Tensor  # [context_len] KV slots of positions 0 .. c+n-1
-    mask: torch.Tensor | None  # [num_rows, context_len] True = attend; None = plain causal (c == 0)
+    start: int  # position of its first query (c): tokens of the prompt already in the cache
+    block_table: torch.Tensor  # [blocks] the request's blocks holding positions 0 .. c+n-1
+    key_slots: torch.Tensor | None = None  # [context_len] KV slots of positions 0 .. c+n-1 (gathering path)
+    mask: torch.Tensor | None = None  # [num_rows, context_len] True = attend; None = plain causal (c == 0)
 
 
 @dataclass
@@ -49,7 +52,8 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     block_size: int
-    decode_kernel: DecodeKernel | None = None  # the in-place C++ op; None: gather in torch
+    decode_kernel: DecodeKernel | None = None  # the in-place C++ ops; None: gather in torch
+    prefill_kernel: PrefillKernel | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -80,6 +84,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out[group.rows] = attended.squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_rows)
+        if meta.prefill_kernel is not None:
+            out[rows] = meta.prefill_kernel(q[rows], k_cache, v_cache, chunk.block_table, chunk.start,
+                                            meta.block_size, scale)
+            continue
         keys = k_cache[chunk.key_slots].transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, D)
         values = v_cache[chunk.key_slots].transpose(0, 1).unsqueeze(0)
         queries = q[rows].transpose(0, 1).unsqueeze(0)  # (1, heads, n, D)

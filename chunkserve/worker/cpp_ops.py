@@ -2,6 +2,8 @@
 
 - `paged_decode_attention` (csrc/paged_attention.cpp): decode attention that reads each
   request's KV in place through its block table.
+- `paged_prefill_attention` (csrc/prefill_attention.cpp): a prefill chunk's causal attention
+  over its history and its own keys, read in place through the block table.
 - `small_batch_linear` (csrc/small_batch_linear.cpp): the linear layers when a step has at
   most `SMALL_BATCH_MAX_ROWS` rows, where it beats MKL's GEMM on this model's shapes (far
   from the weight-bandwidth bound at a few rows, behind the kernel's tiles at hundreds);
@@ -39,7 +41,8 @@ logger = logging.getLogger(__name__)
 OP_BACKENDS = ("auto", "cpp", "torch")
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_CSRC, name)
-            for name in ("ops.cpp", "paged_attention.cpp", "small_batch_linear.cpp", "elementwise.cpp")]
+            for name in ("ops.cpp", "paged_attention.cpp", "prefill_attention.cpp", "small_batch_linear.cpp",
+                         "elementwise.cpp")]
 
 # Up to this many rows the C++ linear beats or equals MKL on the layer shapes of SmolLM2-135M
 # here (benchmarks/small_batch_linear.py: 1.25x at 64 rows, 1.2x at 128, 1.1x at 256, 1.05x
@@ -90,12 +93,16 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
                         torch.Tensor]
 
+# (q, k_cache, v_cache, block_table, start, block_size, scale) -> attention output of one chunk
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], torch.Tensor]
+
 
 @dataclass(frozen=True)
 class CppOps:
     """The compiled functions, as bound from csrc/ops.cpp (signatures in csrc/ops.h)."""
 
     decode_attention: DecodeKernel
+    prefill_attention: PrefillKernel
     small_batch_linear: Callable[..., torch.Tensor]
     block_quantized_linear: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
@@ -147,7 +154,8 @@ def build_cpp_ops() -> CppOps:
     logger.info("loading the C++ ops (compiled on first use: about a minute)")
     module = load(name="chunkserve_cpp_ops", sources=_SOURCES, extra_include_paths=[_CSRC],
                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    return CppOps(decode_attention=module.paged_decode_attention, small_batch_linear=module.small_batch_linear,
+    return CppOps(decode_attention=module.paged_decode_attention, prefill_attention=module.paged_prefill_attention,
+                  small_batch_linear=module.small_batch_linear,
                   block_quantized_linear=module.block_quantized_linear,
                   rms_norm=module.rms_norm, add_rms_norm=module.add_rms_norm,
                   rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul,

@@ -9,7 +9,7 @@ import torch
 
 from chunkserve.core.scheduler_output import ScheduledRequest
 from chunkserve.worker.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from chunkserve.worker.cpp_ops import DecodeKernel
+from chunkserve.worker.cpp_ops import DecodeKernel, PrefillKernel
 
 
 @dataclass
@@ -22,10 +22,12 @@ class ForwardBatch:
 
 
 def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, list[int]],
-                        block_size: int, decode_kernel: DecodeKernel | None = None) -> ForwardBatch:
+                        block_size: int, decode_kernel: DecodeKernel | None = None,
+                        prefill_kernel: PrefillKernel | None = None) -> ForwardBatch:
     """Flatten the step. Single-token rows (decodes) go first and are attended together:
     all in one call of `decode_kernel`, which reads their blocks in place, or without it in
-    groups of similar context length; longer chunks follow, each attended on its own.
+    groups of similar context length; longer chunks follow, each attended on its own: by
+    `prefill_kernel` through its block table, or without it over its gathered key slots.
 
     `token_ids[request_id]` is the request's whole token list (prompt + output so far).
     """
@@ -49,7 +51,10 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, 
         positions.append(context_positions[start:])
         slots.append(context_slots[start:])
         if count > 1:
-            prefills.append(PrefillChunk(row, count, torch.from_numpy(context_slots), _chunk_mask(start, count)))
+            chunk = PrefillChunk(row, count, start, torch.from_numpy(table[: -(-(start + count) // block_size)]))
+            if prefill_kernel is None:
+                chunk.key_slots, chunk.mask = torch.from_numpy(context_slots), _chunk_mask(start, count)
+            prefills.append(chunk)
         row += count
         if s.sample:
             logits_rows.append(row - 1)
@@ -61,6 +66,7 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, 
         prefills=prefills,
         block_size=block_size,
         decode_kernel=decode_kernel,
+        prefill_kernel=prefill_kernel,
     )
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),

@@ -1,4 +1,5 @@
-"""The in-place C++ decode op against the plain-torch attention (the reference)."""
+"""The in-place C++ attention ops (decode and prefill chunks) against the plain-torch attention
+(the reference, which gathers the keys for SDPA)."""
 
 from __future__ import annotations
 
@@ -29,4 +30,27 @@ def test_in_place_decode_equals_the_torch_reference(cpp_ops, heads, kv_heads, he
     reference = paged_attention(q, k_cache, v_cache, build_forward_batch(scheduled, tokens, BLOCK_SIZE).attn, 0.125)
     in_place = paged_attention(q, k_cache, v_cache,
                                build_forward_batch(scheduled, tokens, BLOCK_SIZE, cpp_ops.decode_attention).attn, 0.125)
+    torch.testing.assert_close(in_place, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 3, 40)])
+def test_in_place_prefill_chunks_equal_the_torch_reference(cpp_ops, heads, kv_heads, head_dim):
+    """Chunks from the first position and after a history, shorter and longer than a key tile
+    (64) and a position tile (32), ending mid-block, beside decodes in one mixed step."""
+    rng = np.random.default_rng(1)
+    num_blocks = 400
+    k_cache = torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim)
+    blocks = list(rng.permutation(num_blocks))
+    scheduled = []
+    for i, (start, count) in enumerate([(40, 1), (0, 2), (0, 37), (5, 11), (16, 16), (100, 300), (1000, 65),
+                                        (63, 130), (700, 1)]):
+        table = [int(blocks.pop()) for _ in range(-(-(start + count) // BLOCK_SIZE))]
+        scheduled.append(ScheduledRequest(f"r{i}", start, count, table, True, count == 1))
+    tokens = {s.request_id: [0] * (s.num_computed_tokens + s.num_scheduled_tokens) for s in scheduled}
+    q = torch.randn(sum(s.num_scheduled_tokens for s in scheduled), heads, head_dim)
+    reference = paged_attention(q, k_cache, v_cache, build_forward_batch(scheduled, tokens, BLOCK_SIZE).attn, 0.125)
+    batch = build_forward_batch(scheduled, tokens, BLOCK_SIZE, cpp_ops.decode_attention, cpp_ops.prefill_attention)
+    assert all(chunk.key_slots is None for chunk in batch.attn.prefills)  # nothing gathered
+    in_place = paged_attention(q, k_cache, v_cache, batch.attn, 0.125)
     torch.testing.assert_close(in_place, reference, rtol=1e-5, atol=1e-5)

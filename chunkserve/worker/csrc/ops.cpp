@@ -7,6 +7,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache, in place",
         release_gil());
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of a prefill chunk over the paged KV cache, in place", release_gil());
   m.def("small_batch_linear", &small_batch_linear, "x @ weight^T (+ bias) for a few rows of x", release_gil());
   m.def("block_quantized_linear", &block_quantized_linear, "x @ weight^T (+ bias), the weight as GGUF blocks",
         release_gil());

@@ -9,6 +9,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      int64_t block_size, double scale);
 
+// One prefill chunk: q [n, heads, head_dim] at positions start .. start + n - 1, its keys and
+// the history's already in the caches [num_slots, kv_heads, head_dim]; block_table [blocks]
+// (int64). Query i attends keys 0 .. start + i (causal). Returns [n, heads, head_dim]. float32.
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_table, int64_t start, int64_t block_size, double scale);
+
 // x: [M, K], weight: [N, K], bias: [N] or None; float32. Returns x @ weight^T + bias, [M, N].
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 

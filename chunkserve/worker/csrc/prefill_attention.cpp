@@ -1,0 +1,218 @@
+// Chunked-prefill attention that reads the paged KV cache in place (flash-attention tiling).
+//
+// A chunk's n queries sit at positions start .. start + n - 1; query i attends keys
+// 0 .. start + i, all already in the cache (this step's keys are written before attention),
+// found through the request's block table. No gather of the history into a contiguous tensor:
+// each unit of work copies one tile of kKeyTile keys of one kv head, transposed, into a buffer
+// that stays in L1, and runs every query row of the unit against it.
+//
+// Rows are (position, query head) pairs of one kv head's group, position-major, so a kv head's
+// grouped query heads share every key tile (GQA). A unit is one kv head and kPositionTile
+// positions; its running max, sum and weighted value sum per row (online softmax) live in a
+// buffer of the unit's rows. Key tiles past a row's position are masked; tiles past every row
+// of a micro-tile are skipped, so the causal half of the chunk's own keys costs nothing.
+//
+// The arithmetic is two small matrix products per (micro-tile, key tile): scores = Q K^T with
+// the transposed keys broadcast against query scalars, and acc += P V with value rows
+// broadcast against probabilities, both held in registers (AVX2 + FMA; a portable loop
+// elsewhere). Units go to threads largest first (the causal last positions cost the most).
+#include "ops.h"
+#include "simd.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kKeyTile = 64;      // keys per tile (several blocks when block_size < 64)
+constexpr int64_t kPositionTile = 32;  // query positions per unit of work
+constexpr int64_t kMicroRows = 6;     // query rows whose scores are computed together
+constexpr float kNegInf = -1e30f;  // finite: the build uses -ffast-math
+
+struct Problem {
+  const float* q;  // [n, H, D]
+  const float* k_cache;
+  const float* v_cache;  // [slots, KVH, D]
+  const int64_t* table;
+  int64_t n, start, H, KVH, D, G, block_size;
+  float scale;
+  int64_t slot(int64_t position) const { return table[position / block_size] * block_size + position % block_size; }
+  // The query vector of row r (of kv head j's group): position r / G, head j * G + r % G.
+  const float* query(int64_t j, int64_t first_position, int64_t r) const {
+    return q + ((first_position + r / G) * H + j * G + r % G) * D;
+  }
+};
+
+// scores[r][k] = sum_d q_r[d] * keys_t[d][k], for `rows` (<= kMicroRows) rows and kKeyTile keys.
+void tile_scores(const float* const* queries, int64_t rows, const float* keys_t, int64_t D, float* scores) {
+#ifdef CHUNKSERVE_AVX2
+  if (rows == kMicroRows) {
+    for (int64_t k = 0; k < kKeyTile; k += 16) {
+      __m256 acc[kMicroRows][2];
+      for (int r = 0; r < kMicroRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; ++d) {
+        const __m256 k0 = _mm256_loadu_ps(keys_t + d * kKeyTile + k);
+        const __m256 k1 = _mm256_loadu_ps(keys_t + d * kKeyTile + k + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < kMicroRows; ++r) {
+          const __m256 query = _mm256_broadcast_ss(queries[r] + d);
+          acc[r][0] = _mm256_fmadd_ps(query, k0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(query, k1, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < kMicroRows; ++r) {
+        _mm256_storeu_ps(scores + r * kKeyTile + k, acc[r][0]);
+        _mm256_storeu_ps(scores + r * kKeyTile + k + 8, acc[r][1]);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = scores + r * kKeyTile;
+    std::fill(row, row + kKeyTile, 0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const float query = queries[r][d];
+#pragma omp simd
+      for (int64_t k = 0; k < kKeyTile; ++k) row[k] += query * keys_t[d * kKeyTile + k];
+    }
+  }
+}
+
+// acc_r += sum_k probs[r][k] * value_k, for `rows` rows, `keys` values (rows of D floats).
+void tile_values(const float* probs, int64_t rows, const float* const* values, int64_t keys, int64_t D,
+                 float* const* acc) {
+  int64_t r = 0;
+#ifdef CHUNKSERVE_AVX2
+  if (D % 32 == 0) {
+    for (; r + 3 <= rows; r += 3) {  // three rows x 32 columns: 12 accumulators in registers
+      for (int64_t c = 0; c < D; c += 32) {
+        __m256 sum[3][4];
+        for (int i = 0; i < 3; ++i)
+          for (int v = 0; v < 4; ++v) sum[i][v] = _mm256_loadu_ps(acc[r + i] + c + 8 * v);
+        for (int64_t k = 0; k < keys; ++k) {
+          const float* value = values[k] + c;
+          const __m256 v0 = _mm256_loadu_ps(value), v1 = _mm256_loadu_ps(value + 8);
+          const __m256 v2 = _mm256_loadu_ps(value + 16), v3 = _mm256_loadu_ps(value + 24);
+#pragma GCC unroll 3
+          for (int i = 0; i < 3; ++i) {
+            const __m256 p = _mm256_broadcast_ss(probs + (r + i) * kKeyTile + k);
+            sum[i][0] = _mm256_fmadd_ps(p, v0, sum[i][0]);
+            sum[i][1] = _mm256_fmadd_ps(p, v1, sum[i][1]);
+            sum[i][2] = _mm256_fmadd_ps(p, v2, sum[i][2]);
+            sum[i][3] = _mm256_fmadd_ps(p, v3, sum[i][3]);
+          }
+        }
+        for (int i = 0; i < 3; ++i)
+          for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc[r + i] + c + 8 * v, sum[i][v]);
+      }
+    }
+  }
+#endif
+  for (; r < rows; ++r) {
+    for (int64_t k = 0; k < keys; ++k) {
+      const float p = probs[r * kKeyTile + k];
+      const float* value = values[k];
+      float* out = acc[r];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) out[d] += p * value[d];
+    }
+  }
+}
+
+// One kv head j, positions [first, last) of the chunk: writes their rows of `out`.
+void attend_unit(const Problem& p, int64_t j, int64_t first, int64_t last, float* out) {
+  const int64_t D = p.D, rows = (last - first) * p.G;
+  std::vector<float> keys_t(D * kKeyTile), scores(kMicroRows * kKeyTile);
+  std::vector<float> max(rows, kNegInf), sum(rows, 0.f), acc(rows * D, 0.f);
+  std::vector<const float*> values(kKeyTile);
+  const int64_t end_key = p.start + last;  // keys 0 .. start + last - 1 are seen by some row
+  for (int64_t tile = 0; tile < end_key; tile += kKeyTile) {
+    const int64_t keys = std::min(kKeyTile, end_key - tile);
+    for (int64_t k = 0; k < keys; ++k) {
+      const int64_t offset = (p.slot(tile + k) * p.KVH + j) * D;
+      const float* key = p.k_cache + offset;
+      for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + k] = key[d];
+      values[k] = p.v_cache + offset;
+    }
+    for (int64_t k = keys; k < kKeyTile; ++k)
+      for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + k] = 0.f;
+    for (int64_t r0 = 0; r0 < rows; r0 += kMicroRows) {
+      const int64_t micro = std::min(kMicroRows, rows - r0);
+      const int64_t top_position = p.start + first + (r0 + micro - 1) / p.G;
+      if (tile > top_position) continue;  // every key of the tile is after every row's query
+      const float* queries[kMicroRows];
+      float* row_acc[kMicroRows];
+      for (int64_t r = 0; r < micro; ++r) {
+        queries[r] = p.query(j, first, r0 + r);
+        row_acc[r] = acc.data() + (r0 + r) * D;
+      }
+      tile_scores(queries, micro, keys_t.data(), D, scores.data());
+      for (int64_t r = 0; r < micro; ++r) {
+        float* row = scores.data() + r * kKeyTile;
+        const int64_t seen =  // the tile's keys at or before the row's position
+            std::clamp<int64_t>(p.start + first + (r0 + r) / p.G - tile + 1, 0, keys);
+        float tile_max = kNegInf;
+        for (int64_t k = 0; k < seen; ++k) tile_max = std::max(tile_max, row[k] * p.scale);
+        const int64_t i = r0 + r;
+        const float new_max = std::max(max[i], tile_max);
+        const float rescale = std::exp(max[i] - new_max);  // 0 on the first tile
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t k = 0; k < seen; ++k) {
+          row[k] = std::exp(row[k] * p.scale - new_max);
+          total += row[k];
+        }
+        std::fill(row + seen, row + kKeyTile, 0.f);
+        sum[i] = sum[i] * rescale + total;
+        max[i] = new_max;
+        if (rescale != 1.f) {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) row_acc[r][d] *= rescale;
+        }
+      }
+      tile_values(scores.data(), micro, values.data(), keys, D, row_acc);
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const float inverse = 1.f / sum[i];
+    float* result = out + ((first + i / p.G) * p.H + j * p.G + i % p.G) * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) result[d] = acc[i * D + d] * inverse;
+  }
+}
+
+}  // namespace
+
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_table, int64_t start, int64_t block_size, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
+              v_cache.scalar_type() == torch::kFloat32, "paged_prefill_attention: float32 only");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 1,
+              "paged_prefill_attention: a 1-d int64 block table");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_prefill_attention: contiguous caches");
+  q = q.contiguous();
+  block_table = block_table.contiguous();
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  TORCH_CHECK(H % KVH == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(start >= 0 && start + n <= block_table.size(0) * block_size, "chunk out of the block table");
+  const Problem problem{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                        block_table.data_ptr<int64_t>(), n, start, H, KVH, D, H / KVH, block_size,
+                        static_cast<float>(scale)};
+  auto out = torch::empty_like(q);
+  float* out_data = out.data_ptr<float>();
+  // Units (kv head, position tile), the last position tiles (the most keys) first.
+  const int64_t tiles = (n + kPositionTile - 1) / kPositionTile, units = tiles * KVH;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t unit = next++; unit < units; unit = next++) {
+      const int64_t tile = tiles - 1 - unit / KVH, j = unit % KVH;
+      attend_unit(problem, j, tile * kPositionTile, std::min(n, (tile + 1) * kPositionTile), out_data);
+    }
+  });
+  return out;
+}
