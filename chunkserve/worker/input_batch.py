@@ -46,13 +46,13 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, 
         start, count = s.num_computed_tokens, s.num_scheduled_tokens
         input_ids.extend(token_ids[s.request_id][start : start + count])
         table = np.asarray(s.block_table, dtype=np.int64)
-        context_positions = np.arange(start + count, dtype=np.int64)
-        context_slots = _slots_of(table, context_positions, block_size)  # keys 0 .. start+count-1
-        positions.append(context_positions[start:])
-        slots.append(context_slots[start:])
+        new_positions = np.arange(start, start + count, dtype=np.int64)
+        positions.append(new_positions)
+        slots.append(_slots_of(table, new_positions, block_size))
         if count > 1:
             chunk = PrefillChunk(row, count, start, torch.from_numpy(table[: -(-(start + count) // block_size)]))
-            if prefill_kernel is None:
+            if prefill_kernel is None:  # keys 0 .. start+count-1, for SDPA
+                context_slots = _slots_of(table, np.arange(start + count, dtype=np.int64), block_size)
                 chunk.key_slots, chunk.mask = torch.from_numpy(context_slots), _chunk_mask(start, count)
             prefills.append(chunk)
         row += count
