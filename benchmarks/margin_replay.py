@@ -32,7 +32,7 @@ SETTINGS = {  # label: (quantile, level window)
 
 def ratios(path: str) -> np.ndarray:
     with open(path) as f:
-        steps = [json.loads(line) for line in f]
+        steps = [json.loads(line) for line in f if line.strip()]
     return np.array([s["duration_s"] / s["predicted_duration_s"] for s in steps if s.get("predicted_duration_s")])
 
 
@@ -56,6 +56,8 @@ def main() -> None:
     args = parser.parse_args()
     traces = [ratios(path) for path in args.traces]
     total = sum(len(t) for t in traces)
+    if not total:
+        raise SystemExit("no step in these traces has a prediction")
     print(f"{len(traces)} traces, {total} steps with a prediction")
     print("| margin | steps over it | mean margin |")
     print("|---|---|---|")

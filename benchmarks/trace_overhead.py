@@ -29,8 +29,8 @@ def records(count: int) -> list[StepRecord]:
     modes = [ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.EXTEND]
     return [
         StepRecord(step_id=i, start_time=1.79e9 + i * 0.035, duration_s=0.0351234 + i * 1e-7,
-                   predicted_duration_s=0.0342 + i * 1e-7, prediction_error_p50=0.031, prediction_error_p90=0.087, slo_margin=1.25,
-                   prefill_wait_guard=False,
+                   predicted_duration_s=0.0342 + i * 1e-7, prediction_error_p50=0.031, prediction_error_p90=0.087,
+                   slo_margin=1.25, prefill_wait_guard=False,
                    forward_mode=modes[i % 3], num_prefill_tokens=(i * 37) % 512, num_decode_tokens=i % 64,
                    num_requests=1 + i % 64, num_preemptions=0, kv_cache_usage=(i % 100) / 100,
                    prefix_cache_queries=(i * 37) % 512 if i % 3 else 0, prefix_cache_hits=(i * 16) % 256 if i % 3 else 0,

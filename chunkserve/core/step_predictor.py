@@ -91,7 +91,9 @@ class StepShape:
 class SlowdownMargin:
     """How much slower than predicted the next step may run: the `quantile` of actual /
     predicted over the last `window` steps (recomputed by `update`), times the median of the
-    last `level_window` ratios over the window's median when that is above 1; at least 1."""
+    last `level_window` ratios over the window's median when that is above 1; at least 1.
+    Until the first `update` the quantile and median count as 1, so the first real steps are
+    planned with the recent level alone."""
 
     def __init__(self, window: int = 1024, quantile: float = 0.99, level_window: int = 4) -> None:
         self._ratios: deque[float] = deque(maxlen=window)

@@ -38,7 +38,7 @@ struct Problem {
   const float* k_cache;
   const float* v_cache;  // [slots, KVH, D]
   const int64_t* table;
-  int64_t n, start, H, KVH, D, G, block_size;
+  int64_t start, H, KVH, D, G, block_size;
   float scale;
   int64_t slot(int64_t position) const { return table[position / block_size] * block_size + position % block_size; }
   // The query vector of row r (of kv head j's group): position r / G, head j * G + r % G.
@@ -128,7 +128,7 @@ void tile_values(const float* probs, int64_t rows, const float* const* values, i
 void attend_unit(const Problem& p, int64_t j, int64_t first, int64_t last, float* out) {
   const int64_t D = p.D, rows = (last - first) * p.G;
   std::vector<float> keys_t(D * kKeyTile), scores(kMicroRows * kKeyTile);
-  std::vector<float> max(rows, kNegInf), sum(rows, 0.f), acc(rows * D, 0.f);
+  std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f), acc(rows * D, 0.f);
   std::vector<const float*> values(kKeyTile);
   const int64_t end_key = p.start + last;  // keys 0 .. start + last - 1 are seen by some row
   for (int64_t tile = 0; tile < end_key; tile += kKeyTile) {
@@ -159,8 +159,8 @@ void attend_unit(const Problem& p, int64_t j, int64_t first, int64_t last, float
         float tile_max = kNegInf;
         for (int64_t k = 0; k < seen; ++k) tile_max = std::max(tile_max, row[k] * p.scale);
         const int64_t i = r0 + r;
-        const float new_max = std::max(max[i], tile_max);
-        const float rescale = std::exp(max[i] - new_max);  // 0 on the first tile
+        const float new_max = std::max(row_max[i], tile_max);
+        const float rescale = std::exp(row_max[i] - new_max);  // 0 on the first tile
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t k = 0; k < seen; ++k) {
@@ -168,8 +168,8 @@ void attend_unit(const Problem& p, int64_t j, int64_t first, int64_t last, float
           total += row[k];
         }
         std::fill(row + seen, row + kKeyTile, 0.f);
-        sum[i] = sum[i] * rescale + total;
-        max[i] = new_max;
+        row_sum[i] = row_sum[i] * rescale + total;
+        row_max[i] = new_max;
         if (rescale != 1.f) {
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) row_acc[r][d] *= rescale;
@@ -179,7 +179,7 @@ void attend_unit(const Problem& p, int64_t j, int64_t first, int64_t last, float
     }
   }
   for (int64_t i = 0; i < rows; ++i) {
-    const float inverse = 1.f / sum[i];
+    const float inverse = 1.f / row_sum[i];
     float* result = out + ((first + i / p.G) * p.H + j * p.G + i % p.G) * D;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) result[d] = acc[i * D + d] * inverse;
@@ -195,13 +195,20 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 1,
               "paged_prefill_attention: a 1-d int64 block table");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_prefill_attention: contiguous caches");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.size(2) == q.size(2), "paged_prefill_attention: q [n, heads, D], caches [slots, kv_heads, D]");
   q = q.contiguous();
   block_table = block_table.contiguous();
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
-  TORCH_CHECK(H % KVH == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(start >= 0 && start + n <= block_table.size(0) * block_size, "chunk out of the block table");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(block_size > 0 && start >= 0 && start + n <= block_table.size(0) * block_size,
+              "chunk out of the block table");
+  const int64_t* blocks = block_table.data_ptr<int64_t>();
+  const int64_t num_blocks = k_cache.size(0) / block_size;
+  TORCH_CHECK(std::all_of(blocks, blocks + block_table.size(0), [&](int64_t b) { return b >= 0 && b < num_blocks; }),
+              "paged_prefill_attention: a block id outside the cache");
   const Problem problem{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                        block_table.data_ptr<int64_t>(), n, start, H, KVH, D, H / KVH, block_size,
+                        blocks, start, H, KVH, D, H / KVH, block_size,
                         static_cast<float>(scale)};
   auto out = torch::empty_like(q);
   float* out_data = out.data_ptr<float>();
