@@ -65,3 +65,10 @@ def test_in_place_prefill_refuses_a_block_outside_the_cache(cpp_ops):
     k_cache = v_cache = torch.zeros(4 * BLOCK_SIZE, 1, 8)
     with pytest.raises(RuntimeError, match="block id outside the cache"):
         cpp_ops.prefill_attention(torch.zeros(3, 1, 8), k_cache, v_cache, torch.tensor([4]), 0, BLOCK_SIZE, 1.0)
+
+
+def test_in_place_decode_refuses_a_block_outside_the_cache(cpp_ops):
+    k_cache = v_cache = torch.zeros(4 * BLOCK_SIZE, 1, 8)
+    with pytest.raises(RuntimeError, match="block id outside the cache"):
+        cpp_ops.decode_attention(torch.zeros(1, 1, 8), k_cache, v_cache, torch.tensor([[7]]), torch.tensor([3]),
+                                 BLOCK_SIZE, 1.0)

@@ -193,10 +193,19 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
               v_cache.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
               "paged_decode_attention: int64 block tables and context lengths");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.size(2) == q.size(2) && block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+              context_lens.numel() == q.size(0) && block_size > 0,
+              "paged_decode_attention: q [B, heads, D], caches [slots, kv_heads, D], tables [B, blocks], lens [B]");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: contiguous caches");
+  const int64_t num_blocks = k_cache.size(0) / block_size;
+  const int64_t* table_data = block_tables.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(table_data, table_data + block_tables.numel(),
+                          [&](int64_t b) { return b >= 0 && b < num_blocks; }),
+              "paged_decode_attention: a block id outside the cache");
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of kv heads");
