@@ -36,6 +36,7 @@ import chunkserve.model.llama as llama
 import chunkserve.worker.model_runner as model_runner
 from chunkserve import LLM, SamplingParams
 from chunkserve.core.step_predictor import chunk_attention
+from chunkserve.worker.cpp_ops import AttentionKernels
 
 
 def main() -> None:
@@ -84,8 +85,10 @@ def main() -> None:
     for name in ("linear", "logits"):
         timed_ops[name] = counted(name, timed_ops[name])
     runner.model.set_ops(dataclasses.replace(ops, **timed_ops))
-    runner.decode_kernel = counted_decode(timed("decode attention (C++)", runner.decode_kernel))
-    runner.prefill_kernel = counted_prefill(timed("prefill attention (C++)", runner.prefill_kernel))
+    kernels = runner.attention_kernels
+    runner.attention_kernels = AttentionKernels(
+        decode=counted_decode(timed("decode attention (C++)", kernels.decode)),
+        prefill=counted_prefill(timed("prefill attention (C++)", kernels.prefill)))
     llama.write_kv = timed("write KV", llama.write_kv)
     model_runner.sample = timed("sample", model_runner.sample)
     model_runner.build_forward_batch = timed("build batch", model_runner.build_forward_batch)

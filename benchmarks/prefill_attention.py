@@ -51,8 +51,7 @@ def main() -> None:
         q = torch.randn(count, HEADS, HEAD_DIM, generator=generator)
         paths = {
             "torch": build_forward_batch(scheduled, tokens, BLOCK_SIZE).attn,
-            "in place": build_forward_batch(scheduled, tokens, BLOCK_SIZE, ops.decode_attention,
-                                            ops.prefill_attention).attn,
+            "in place": build_forward_batch(scheduled, tokens, BLOCK_SIZE, ops.attention_kernels()).attn,
         }
         outputs = {name: paged_attention(q, k_cache, v_cache, meta, scale) for name, meta in paths.items()}
         torch.testing.assert_close(outputs["in place"], outputs["torch"], rtol=1e-4, atol=1e-4)

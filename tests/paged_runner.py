@@ -18,8 +18,7 @@ class PagedRunner:
 
     def __init__(self, model, config, num_blocks: int = 256, cpp_ops=None) -> None:
         """`cpp_ops`: compute through the C++ ops (None: plain torch)."""
-        self.decode_kernel = None if cpp_ops is None else cpp_ops.decode_attention
-        self.prefill_kernel = None if cpp_ops is None else cpp_ops.prefill_attention
+        self.attention_kernels = None if cpp_ops is None else cpp_ops.attention_kernels()
         model.set_ops(TORCH_OPS if cpp_ops is None else cpp_ops.model_ops())
         self.model, self.kv = model, allocate_kv_cache(config, model.embed_tokens.weight.dtype, num_blocks, BLOCK_SIZE)
         self.free = list(np.random.default_rng(0).permutation(num_blocks))
@@ -40,7 +39,7 @@ class PagedRunner:
                 table.append(int(self.free.pop()))
             scheduled.append(ScheduledRequest(request_id, start, count, list(table), True, count == 1 and start > 0))
             self.computed[request_id] += count
-        batch = build_forward_batch(scheduled, self.tokens, BLOCK_SIZE, self.decode_kernel, self.prefill_kernel)
+        batch = build_forward_batch(scheduled, self.tokens, BLOCK_SIZE, self.attention_kernels)
         with torch.inference_mode():
             logits = self.model.compute_logits(self.model(batch.input_ids, batch.positions, self.kv, batch.attn))
         rows, row = {}, 0

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chunkserve.worker.cpp_ops import DecodeKernel, PrefillKernel
+from chunkserve.worker.cpp_ops import AttentionKernels
 
 
 @dataclass
@@ -52,8 +52,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     block_size: int
-    decode_kernel: DecodeKernel | None = None  # the in-place C++ ops; None: gather in torch
-    prefill_kernel: PrefillKernel | None = None
+    kernels: AttentionKernels | None = None  # the in-place C++ ops; None: gather in torch
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -66,7 +65,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim]; caches: [num_slots, kv_heads, head_dim] -> [T, heads, head_dim]."""
-    in_place = meta.decode_kernel is not None and bool(meta.decode_groups)
+    in_place = meta.kernels is not None and bool(meta.decode_groups)
     if in_place and not meta.prefills:
         return _decode_in_place(q, k_cache, v_cache, meta, scale)  # a pure decode step: no copy of the output
     out = torch.empty_like(q)
@@ -84,9 +83,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out[group.rows] = attended.squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_rows)
-        if meta.prefill_kernel is not None:
-            out[rows] = meta.prefill_kernel(q[rows], k_cache, v_cache, chunk.block_table, chunk.start,
-                                            meta.block_size, scale)
+        if meta.kernels is not None:
+            out[rows] = meta.kernels.prefill(q[rows], k_cache, v_cache, chunk.block_table, chunk.start,
+                                             meta.block_size, scale)
             continue
         keys = k_cache[chunk.key_slots].transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, D)
         values = v_cache[chunk.key_slots].transpose(0, 1).unsqueeze(0)
@@ -102,5 +101,5 @@ def _decode_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The C++ op over the one group of every decode, rows 0 .. B-1 (a slice, not an index copy)."""
     (group,) = meta.decode_groups
-    return meta.decode_kernel(q[: len(group.context_lens)], k_cache, v_cache, group.block_tables,
+    return meta.kernels.decode(q[: len(group.context_lens)], k_cache, v_cache, group.block_tables,
                               group.context_lens, meta.block_size, scale)

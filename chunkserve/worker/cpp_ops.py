@@ -98,6 +98,14 @@ PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 
 
 @dataclass(frozen=True)
+class AttentionKernels:
+    """The two attention ops that read the paged KV in place (the step's batch carries them)."""
+
+    decode: DecodeKernel
+    prefill: PrefillKernel
+
+
+@dataclass(frozen=True)
 class CppOps:
     """The compiled functions, as bound from csrc/ops.cpp (signatures in csrc/ops.h)."""
 
@@ -111,6 +119,9 @@ class CppOps:
     silu_and_mul: Callable[..., torch.Tensor]
     onednn_linear: Callable[..., torch.Tensor]
     pack_linear_weight: Callable[[torch.Tensor], torch.Tensor | None]
+
+    def attention_kernels(self) -> AttentionKernels:
+        return AttentionKernels(decode=self.decode_attention, prefill=self.prefill_attention)
 
     def model_ops(self) -> ModelOps:
         return ModelOps(linear=self.linear, logits=self.logits, rms_norm=self.rms_norm, add_rms_norm=self.add_rms_norm,

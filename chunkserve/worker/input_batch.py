@@ -9,7 +9,7 @@ import torch
 
 from chunkserve.core.scheduler_output import ScheduledRequest
 from chunkserve.worker.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from chunkserve.worker.cpp_ops import DecodeKernel, PrefillKernel
+from chunkserve.worker.cpp_ops import AttentionKernels
 
 
 @dataclass
@@ -22,12 +22,11 @@ class ForwardBatch:
 
 
 def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, list[int]],
-                        block_size: int, decode_kernel: DecodeKernel | None = None,
-                        prefill_kernel: PrefillKernel | None = None) -> ForwardBatch:
+                        block_size: int, kernels: AttentionKernels | None = None) -> ForwardBatch:
     """Flatten the step. Single-token rows (decodes) go first and are attended together:
-    all in one call of `decode_kernel`, which reads their blocks in place, or without it in
-    groups of similar context length; longer chunks follow, each attended on its own: by
-    `prefill_kernel` through its block table, or without it over its gathered key slots.
+    all in one call of `kernels.decode`, which reads their blocks in place, or without
+    kernels in groups of similar context length; longer chunks follow, each attended on its
+    own: by `kernels.prefill` through its block table, or without kernels over its gathered keys.
 
     `token_ids[request_id]` is the request's whole token list (prompt + output so far).
     """
@@ -50,11 +49,13 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, 
         positions.append(new_positions)
         slots.append(_slots_of(table, new_positions, block_size))
         if count > 1:
-            chunk = PrefillChunk(row, count, start, torch.from_numpy(table[: -(-(start + count) // block_size)]))
-            if prefill_kernel is None:  # keys 0 .. start+count-1, for SDPA
+            chunk_table = torch.from_numpy(table[: -(-(start + count) // block_size)])
+            if kernels is None:  # SDPA over the gathered keys 0 .. start+count-1
                 context_slots = _slots_of(table, np.arange(start + count, dtype=np.int64), block_size)
-                chunk.key_slots, chunk.mask = torch.from_numpy(context_slots), _chunk_mask(start, count)
-            prefills.append(chunk)
+                prefills.append(PrefillChunk(row, count, start, chunk_table, torch.from_numpy(context_slots),
+                                             _chunk_mask(start, count)))
+            else:
+                prefills.append(PrefillChunk(row, count, start, chunk_table))
         row += count
         if s.sample:
             logits_rows.append(row - 1)
@@ -62,11 +63,10 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, 
 
     attn = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(slots)),
-        decode_groups=_decode_groups(singles, block_size, gather=decode_kernel is None),
+        decode_groups=_decode_groups(singles, block_size, gather=kernels is None),
         prefills=prefills,
         block_size=block_size,
-        decode_kernel=decode_kernel,
-        prefill_kernel=prefill_kernel,
+        kernels=kernels,
     )
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),

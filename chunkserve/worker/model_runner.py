@@ -24,8 +24,7 @@ class ModelRunner:
         self._states: dict[str, SamplingState] = {}
         # The C++ ops are float32 only; other dtypes keep plain torch.
         self.cpp_ops = cpp_ops_for(op_backend if self.dtype == torch.float32 else "torch")
-        self.decode_kernel = None if self.cpp_ops is None else self.cpp_ops.decode_attention
-        self.prefill_kernel = None if self.cpp_ops is None else self.cpp_ops.prefill_attention
+        self.attention_kernels = None if self.cpp_ops is None else self.cpp_ops.attention_kernels()
         if self.cpp_ops is not None:
             model.set_ops(self.cpp_ops.model_ops())
 
@@ -39,8 +38,7 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
 
         token_ids = {s.request_id: self._states[s.request_id].token_ids for s in output.scheduled}
-        batch = build_forward_batch(output.scheduled, token_ids, self.block_size, self.decode_kernel,
-                                    self.prefill_kernel)
+        batch = build_forward_batch(output.scheduled, token_ids, self.block_size, self.attention_kernels)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         if not batch.sample_request_ids:
             return ModelRunnerOutput(sampled_token_ids={})

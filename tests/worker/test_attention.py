@@ -29,7 +29,7 @@ def test_in_place_decode_equals_the_torch_reference(cpp_ops, heads, kv_heads, he
     q = torch.randn(len(scheduled), heads, head_dim)
     reference = paged_attention(q, k_cache, v_cache, build_forward_batch(scheduled, tokens, BLOCK_SIZE).attn, 0.125)
     in_place = paged_attention(q, k_cache, v_cache,
-                               build_forward_batch(scheduled, tokens, BLOCK_SIZE, cpp_ops.decode_attention).attn, 0.125)
+                               build_forward_batch(scheduled, tokens, BLOCK_SIZE, cpp_ops.attention_kernels()).attn, 0.125)
     torch.testing.assert_close(in_place, reference, rtol=1e-5, atol=1e-5)
 
 
@@ -55,7 +55,7 @@ def test_in_place_prefill_chunks_equal_the_torch_reference(cpp_ops, heads, kv_he
     tokens = {s.request_id: [0] * (s.num_computed_tokens + s.num_scheduled_tokens) for s in scheduled}
     q = torch.randn(sum(s.num_scheduled_tokens for s in scheduled), heads, head_dim, generator=generator)
     reference = paged_attention(q, k_cache, v_cache, build_forward_batch(scheduled, tokens, block_size).attn, 0.125)
-    batch = build_forward_batch(scheduled, tokens, block_size, cpp_ops.decode_attention, cpp_ops.prefill_attention)
+    batch = build_forward_batch(scheduled, tokens, block_size, cpp_ops.attention_kernels())
     assert all(chunk.key_slots is None and chunk.mask is None for chunk in batch.attn.prefills)  # nothing gathered
     in_place = paged_attention(q, k_cache, v_cache, batch.attn, 0.125)
     torch.testing.assert_close(in_place, reference, rtol=1e-5, atol=1e-5)
