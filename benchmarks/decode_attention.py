@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from engine_speed import memory_read_gb_s  # benchmarks/, the script's own folder
 
-import chunkserve.worker.cpp_ops as cpp_ops
+import chunkserve.ops.cpp_ops as cpp_ops
 
 DECODES, MIN_CONTEXT, MAX_CONTEXT, LAYERS = 64, 260, 300, 30
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, POOL_BLOCKS = 9, 3, 64, 16, 2048

@@ -5,7 +5,7 @@ sampler's math against the engine's own work (scheduling, batch preparation, boo
 are timed. Each phase is timed by wrapping the function that does it (a perf_counter pair
 per call, about a microsecond): Scheduler.schedule, build_forward_batch, the model forward,
 compute_logits, sample, Scheduler.update_from_output and the engine's per-request outputs
-(detokenizer, metrics). "other" is the rest of LLMEngine.step. Engine overhead is
+(the output processor: detokenizer, metrics). "other" is the rest of LLMEngine.step. Engine overhead is
 everything but the forward, the logits and the sampler.
 
     .venv/bin/python benchmarks/engine_overhead.py [--requests 128] [--steps 40]
@@ -20,8 +20,9 @@ import time
 from collections import defaultdict
 
 from chunkserve import LLM, SamplingParams
-from chunkserve.core.scheduler import Scheduler
+from chunkserve.core.sched.scheduler import Scheduler
 from chunkserve.engine.llm_engine import LLMEngine
+from chunkserve.engine.output_processor import OutputProcessor
 from chunkserve.model.llama import LlamaModel
 from chunkserve.worker import model_runner
 
@@ -60,7 +61,7 @@ def main() -> None:
     timer.wrap(model_runner, "sample", "sample")
     timer.wrap(LlamaModel, "forward", "model forward")
     timer.wrap(LlamaModel, "compute_logits", "compute_logits")
-    timer.wrap(LLMEngine, "_output", "outputs (detokenize, metrics)")
+    timer.wrap(OutputProcessor, "process_outputs", "outputs (detokenize, metrics)")
     timer.wrap(LLMEngine, "step", "step")
 
     llm = LLM(max_num_batched_tokens=2048, max_num_seqs=args.requests, kv_cache_memory_gb=1)
@@ -69,7 +70,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, temperature=0)
     for i in range(args.requests):
         engine.add_request(f"r{i}", [rng.randrange(100, 49000) for _ in range(16)], params)
-    while engine.get_stats().num_waiting or any(not r.is_decoding for r in engine.scheduler.running):
+    while engine.get_stats().num_waiting or any(not r.is_decoding for r in engine.engine_core.scheduler.running):
         engine.step()
     timer.active = True
     for _ in range(args.steps):

@@ -56,9 +56,9 @@ import transformers
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from chunkserve import LLM, RequestOutput, SamplingParams
-from chunkserve.core.scheduler_output import ForwardMode
+from chunkserve.core.sched.output import ForwardMode
 from chunkserve.model.config import ModelConfig
-from chunkserve.model.loader import default_model_path
+from chunkserve.config.model import default_model_path
 
 TOKEN_ID_RANGE = (100, 40000)
 SEED = 0
@@ -225,7 +225,7 @@ def run_engine_job(job: EngineJob, args: argparse.Namespace, rng: np.random.Gene
     llm = load_engine(job.engine_args, rng)
     if job.prefill:
         log(f"chunkserve, {job.label}: prefill")
-        results.prefill_gflop = prefill_gflop(llm.engine.model_config, args.prefill_len)
+        results.prefill_gflop = prefill_gflop(llm.engine.engine_core.model_config, args.prefill_len)
         ours_prefill_s(llm, args.prefill_len, rng)  # warm-up
         runs = [(gemm_peak_gflop_s(3), ours_prefill_s(llm, args.prefill_len, rng)) for _ in range(args.repeats)]
         key = f"chunkserve {job.label}"

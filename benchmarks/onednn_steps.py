@@ -1,6 +1,6 @@
 """Whole engine steps with the layers' oneDNN-packed weights on and off (in-process, the
 default model): what `ONEDNN_MIN_ROWS` buys per step shape. Each shape is timed `--repeats`
-times, alternating the two, with `LLMEngine.time_synthetic_step`; medians are printed.
+times, alternating the two, with `EngineCore.time_synthetic_step`; medians are printed.
 
     .venv/bin/python benchmarks/onednn_steps.py [--repeats 5]
 """
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     engine = LLMEngine(EngineArgs(kv_cache_memory_gb=1, max_num_batched_tokens=512))
-    model = engine.runner.model
+    model = engine.engine_core.executor.worker.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
     packed = [layer.packed for layer in layers]
     if any(p is None for p in packed):
@@ -45,7 +45,7 @@ def main() -> None:
             for use_packed in (True, False):
                 for layer, weight in zip(layers, packed):
                     layer.packed = weight if use_packed else None
-                times[use_packed].append(engine.time_synthetic_step(rows, seed=repeat) * 1000)
+                times[use_packed].append(engine.engine_core.time_synthetic_step(rows, seed=repeat) * 1000)
         on, off = statistics.median(times[True]), statistics.median(times[False])
         print(f"| {name} | {off:.1f} ms | {on:.1f} ms | {on / off:.2f} |", flush=True)
 

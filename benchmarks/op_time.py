@@ -36,7 +36,7 @@ import chunkserve.model.llama as llama
 import chunkserve.worker.model_runner as model_runner
 from chunkserve import LLM, SamplingParams
 from chunkserve.core.step_predictor import chunk_attention
-from chunkserve.worker.cpp_ops import AttentionKernels
+from chunkserve.ops.cpp_ops import AttentionKernels
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
 
     llm = LLM(max_num_batched_tokens=args.budget, kv_cache_memory_gb=1, op_backend="cpp")
-    runner = llm.engine.runner
+    runner = llm.engine.engine_core.executor.worker.runner
     seconds: dict[str, float] = collections.defaultdict(float)
     work: dict[str, float] = collections.defaultdict(float)  # FLOPs, or bytes read for decode attention
 

@@ -20,11 +20,15 @@ import numpy as np
 import torch
 from engine_speed import _timed  # benchmarks/, the script's own folder
 
-from chunkserve.core.scheduler_output import ScheduledRequest
+from chunkserve.core.sched.output import ScheduledRequest
 from chunkserve.core.step_predictor import chunk_attention
-from chunkserve.worker.attention import paged_attention
-from chunkserve.worker.cpp_ops import build_cpp_ops
+from chunkserve.attention.paged import paged_attention
+from chunkserve.ops.cpp_ops import build_cpp_ops
 from chunkserve.worker.input_batch import build_forward_batch
+
+
+def tables_of(scheduled: list[ScheduledRequest]) -> dict[str, np.ndarray]:
+    return {s.request_id: np.asarray(s.new_block_ids, dtype=np.int64) for s in scheduled}
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, POOL_BLOCKS = 9, 3, 64, 16, 1024
 SHAPES = [(256, 0), (2048, 0), (512, 0), (512, 512), (512, 1024), (512, 1536)]  # (chunk tokens, start)
@@ -46,12 +50,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for count, start in SHAPES:
         table = blocks[: -(-(start + count) // BLOCK_SIZE)]
-        scheduled = [ScheduledRequest("r", start, count, table, True, False)]
+        scheduled = [ScheduledRequest("r", start, count, table, True, True, False)]
         tokens = {"r": [0] * (start + count)}
         q = torch.randn(count, HEADS, HEAD_DIM, generator=generator)
         paths = {
-            "torch": build_forward_batch(scheduled, tokens, BLOCK_SIZE).attn,
-            "in place": build_forward_batch(scheduled, tokens, BLOCK_SIZE, ops.attention_kernels()).attn,
+            "torch": build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE).attn,
+            "in place": build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE, ops.attention_kernels()).attn,
         }
         outputs = {name: paged_attention(q, k_cache, v_cache, meta, scale) for name, meta in paths.items()}
         torch.testing.assert_close(outputs["in place"], outputs["torch"], rtol=1e-4, atol=1e-4)

@@ -22,7 +22,7 @@ import gguf
 import torch
 import torch.nn.functional as F
 
-from chunkserve.worker.cpp_ops import build_cpp_ops, onednn_linear, pack_for_onednn
+from chunkserve.ops.cpp_ops import build_cpp_ops, onednn_linear, pack_for_onednn
 
 LAYERS = 30
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}

@@ -1,6 +1,6 @@
 """Step time against the step's row count: the curve `--chunk-align` is chosen from.
 
-One engine runs synthetic steps (`LLMEngine.time_synthetic_step`): a single prompt chunk of
+One engine runs synthetic steps (`EngineCore.time_synthetic_step`): a single prompt chunk of
 n rows from position 0, for n from 1 to `--max-rows`, densely at small n and one row either
 side of every multiple of 64 up to 1024 (where a GEMM tile boundary would show as a jump).
 The points are measured in shuffled order, `--repeats` rounds, and each point is the median
@@ -40,7 +40,7 @@ def row_counts(max_rows: int) -> list[int]:
 
 
 def measure(llm: LLM, counts: list[int], repeats: int) -> dict[int, float]:
-    engine = llm.engine
+    engine = llm.engine.engine_core
     engine.time_synthetic_step([(0, 64)])  # warm-up
     times: dict[int, list[float]] = {n: [] for n in counts}
     rng = random.Random(0)

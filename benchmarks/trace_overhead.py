@@ -18,9 +18,9 @@ import statistics
 import tempfile
 import time
 
-from chunkserve.core.scheduler_output import ForwardMode, SchedulerStats
+from chunkserve.core.sched.output import ForwardMode, SchedulerStats
 from chunkserve.engine.outputs import StepRecord
-from chunkserve.server.trace import StepTraceWriter
+from chunkserve.entrypoints.server.trace import StepTraceWriter
 
 REFERENCE_STEP_MS = 34.0  # batch-1 decode step, docs/BENCHMARKS.md (29.1 tok/s)
 

@@ -1,19 +1,39 @@
-"""chunkserve: an LLM serving engine built around chunked prefill with stall-free mixed batches."""
+"""chunkserve: an LLM serving engine built around chunked prefill with stall-free mixed batches.
 
-from chunkserve.config import EngineArgs
-from chunkserve.engine.llm import LLM
-from chunkserve.engine.outputs import CompletionOutput, RequestOutput, StepRecord
-from chunkserve.errors import InvalidRequestError, ModelLoadError
-from chunkserve.sampling_params import SamplingParams
+The names below load on first use, so importing a light part of the package (the benchmark
+client, `SamplingParams`) does not load torch or the engine."""
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "EngineArgs",
-    "InvalidRequestError",
-    "ModelLoadError",
-    "RequestOutput",
-    "SamplingParams",
-    "StepRecord",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "chunkserve.entrypoints.llm",
+    "CompletionOutput": "chunkserve.engine.outputs",
+    "RequestOutput": "chunkserve.engine.outputs",
+    "StepRecord": "chunkserve.engine.outputs",
+    "EngineArgs": "chunkserve.config.engine",
+    "InvalidRequestError": "chunkserve.errors",
+    "ModelLoadError": "chunkserve.errors",
+    "SamplingParams": "chunkserve.sampling_params",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from chunkserve.config.engine import EngineArgs
+    from chunkserve.engine.outputs import CompletionOutput, RequestOutput, StepRecord
+    from chunkserve.entrypoints.llm import LLM
+    from chunkserve.errors import InvalidRequestError, ModelLoadError
+    from chunkserve.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'chunkserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chunkserve.engine.tokenizer import load_tokenizer
-from chunkserve.model.loader import default_model_path, resolve_model
+from chunkserve.config.model import default_model_path, resolve_model
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
@@ -59,7 +59,7 @@ def cpp_ops():
     with plain torch, whose fallback tests/worker/test_cpp_ops.py checks."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler on this machine; the engine falls back to plain torch")
-    from chunkserve.worker.cpp_ops import build_cpp_ops
+    from chunkserve.ops.cpp_ops import build_cpp_ops
 
     return build_cpp_ops()
 

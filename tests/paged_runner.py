@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from chunkserve.core.scheduler_output import ScheduledRequest
-from chunkserve.model.ops import TORCH_OPS
+from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.ops.model_ops import TORCH_OPS
 from chunkserve.worker.input_batch import build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_cache
 
@@ -37,9 +37,10 @@ class PagedRunner:
             table = self.tables[request_id]
             while len(table) * BLOCK_SIZE < start + count:
                 table.append(int(self.free.pop()))
-            scheduled.append(ScheduledRequest(request_id, start, count, list(table), True, count == 1 and start > 0))
+            scheduled.append(ScheduledRequest(request_id, start, count, [], False, True, count == 1 and start > 0))
             self.computed[request_id] += count
-        batch = build_forward_batch(scheduled, self.tokens, BLOCK_SIZE, self.attention_kernels)
+        tables = {request_id: np.asarray(self.tables[request_id], dtype=np.int64) for request_id in work}
+        batch = build_forward_batch(scheduled, self.tokens, tables, BLOCK_SIZE, self.attention_kernels)
         with torch.inference_mode():
             logits = self.model.compute_logits(self.model(batch.input_ids, batch.positions, self.kv, batch.attn))
         rows, row = {}, 0
@@ -48,6 +49,11 @@ class PagedRunner:
             rows[s.request_id] = logits[row : row + s.num_scheduled_tokens]
             row += s.num_scheduled_tokens
         return rows
+
+
+def tables_of(scheduled: list[ScheduledRequest]) -> dict[str, np.ndarray]:
+    """Each request's block table, for steps whose `new_block_ids` hold the whole table."""
+    return {s.request_id: np.asarray(s.new_block_ids, dtype=np.int64) for s in scheduled}
 
 
 def reference_logits(reference, token_ids: list[int]) -> torch.Tensor:

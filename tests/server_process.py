@@ -58,7 +58,7 @@ def start_server(tmp_path_factory, *flags: str, name: str) -> Server:
     port = free_port()
     log_path = str(tmp_path_factory.mktemp(name) / "server.log")
     env = {**os.environ, "CHUNKSERVE_API_KEY": ""}
-    command = [sys.executable, "-m", "chunkserve.cli", "serve", "--port", str(port), "--api-key", API_KEY,
+    command = [sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", "--port", str(port), "--api-key", API_KEY,
                "--kv-cache-memory-gb", "0.25", "--max-request-body-bytes", str(MAX_BODY_BYTES), *flags]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -349,7 +349,7 @@ class _server:
             self.command = [part.replace("{port}", str(sweep.port)) for part in config.command]
         else:
             trace = os.path.join(sweep.out_dir, f"{config.slug}.steps.jsonl")
-            self.command = [sys.executable, "-m", "chunkserve.cli", "serve", "--port", str(sweep.port),
+            self.command = [sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", "--port", str(sweep.port),
                             "--trace-steps", trace, *sweep.server_args, *config.args]
         self.log_path = os.path.join(sweep.out_dir, f"{config.slug}.server.log")
 

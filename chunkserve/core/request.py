@@ -9,26 +9,34 @@ from dataclasses import dataclass, field
 from chunkserve.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.IntEnum):
-    """Ordered so that every status after PREEMPTED is a finished one."""
-
-    WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # its KV is being loaded by the KV connector
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
 
     @property
     def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self in FINISHED_STATUSES
+
+    @property
+    def is_waiting(self) -> bool:
+        """In the waiting queue: not yet admitted, preempted, or waiting for its KV to arrive."""
+        return self in WAITING_STATUSES
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
+        return FINISH_REASONS.get(self)
 
 
-_FINISH_REASONS = {
+FINISHED_STATUSES = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+WAITING_STATUSES = frozenset({RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.PREEMPTED})
+FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -40,7 +48,13 @@ class Request:
     """NOTE: there is no prefill or decode phase. A request has `num_tokens` (prompt +
     output so far) and `num_computed_tokens` (tokens whose KV is in the cache); every step
     the scheduler gives it tokens so that the second catches up with the first. A chunked
-    prompt, a decode and a recompute after preemption are all this one rule."""
+    prompt, a decode and a recompute after preemption are all this one rule.
+
+    A decode may also carry draft tokens (`spec_token_ids`, proposed by speculative decoding):
+    they are computed with its last token in one step, and only those the model accepts become
+    output tokens; `num_computed_tokens` then counts verified tokens only.
+
+    `sampling_params.max_tokens` is resolved (never None) by the input processor."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -49,12 +63,17 @@ class Request:
     arrival_time: float = field(default_factory=time.time)  # wall clock
     priority: int = 0  # lower value = served first (vLLM's convention)
     output_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
-    block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of its full blocks, kept by the KV manager
+    first_scheduled_time: float | None = None  # wall clock of the step that first scheduled it
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.max_tokens is None:
+            raise ValueError("a scheduler request needs a resolved max_tokens (the input processor sets it)")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -74,8 +93,6 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
-        """Resolved by the engine at admission, so never None here."""
-        assert self.sampling_params.max_tokens is not None, "engine must resolve max_tokens"
         return self.sampling_params.max_tokens
 
     @property
@@ -84,5 +101,6 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        """True when only the last sampled token is missing from the cache."""
+        """True when the prompt is computed and only the last sampled token (with any drafts
+        after it) is missing from the cache."""
         return self.num_computed_tokens >= self.num_prompt_tokens and self.num_computed_tokens == self.num_tokens - 1

@@ -18,7 +18,7 @@ SLO budget plans with `margin`, the 99th percentile of actual / predicted over r
 (at least 1), so it aims below the SLO by as much as the model has recently been short. The
 SLO is a P99 of the decodes' gaps, and each step is one gap of every decode: a margin at a
 lower quantile leaves the slowest steps, which come in bursts of the host, over the SLO
-(with the p90, the P99 TBT missed 250 ms in both rounds; docs/BENCHMARKS.md, issue 7).
+(docs/benchmarks-log.md, adaptive chunking).
 
 A p99 over a thousand steps still cannot see a burst coming: while the host runs 20% slow for
 a few seconds, every step's ratio is shifted up by its level, and the top of the shifted
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from chunkserve.core.scheduler_output import ScheduledRequest
+from chunkserve.core.sched.output import ScheduledRequest
 
 FEATURE_NAMES = ("constant", "prefill_rows", "decode_rows", "prefill_attention", "decode_attention")
 _SCALE = np.array([1.0, 1e-3, 1e-3, 1e-6, 1e-6])  # keeps the normal equations well conditioned
@@ -63,22 +63,26 @@ class StepShape:
 
     @classmethod
     def of(cls, scheduled: Iterable[ScheduledRequest]) -> StepShape:
-        return cls.of_rows((s.num_computed_tokens, s.num_scheduled_tokens) for s in scheduled)
+        shape = cls()
+        for s in scheduled:
+            shape = shape.plus(s.num_computed_tokens, s.num_scheduled_tokens, s.is_decode)
+        return shape
 
     @classmethod
     def of_rows(cls, rows: Iterable[tuple[int, int]]) -> StepShape:
-        """From (start position, tokens) per request."""
+        """From (start position, tokens) per request (a one-token row is a decode)."""
         shape = cls()
         for start, num_tokens in rows:
             shape = shape.plus(start, num_tokens)
         return shape
 
-    def plus(self, start: int, num_tokens: int) -> StepShape:
-        """This step with one more request's `num_tokens` rows computed from position `start`:
-        one row is a decode (or a one-token chunk, which costs the same), more a chunk."""
-        if num_tokens == 1:
-            return StepShape(self.prefill_rows, self.decode_rows + 1, self.prefill_attention,
-                             self.decode_attention + start + 1)
+    def plus(self, start: int, num_tokens: int, is_decode: bool = False) -> StepShape:
+        """This step with one more request's `num_tokens` rows computed from position `start`.
+        A decode's rows (its last sampled token, plus any draft tokens to verify) read the KV as
+        decodes do; so does a one-row chunk, which costs the same. Other rows are a chunk."""
+        if is_decode or num_tokens == 1:
+            return StepShape(self.prefill_rows, self.decode_rows + num_tokens, self.prefill_attention,
+                             self.decode_attention + chunk_attention(start, num_tokens))
         return StepShape(self.prefill_rows + num_tokens, self.decode_rows,
                          self.prefill_attention + chunk_attention(start, num_tokens), self.decode_attention)
 

@@ -1,5 +1,5 @@
-"""When a request is done, judged on token ids (stop strings are matched on text by the
-detokenizer, which then finishes the request through the scheduler)."""
+"""When a request is done, judged on token ids. Stop strings are matched on text by the
+frontend's output processor, which then aborts the request in the engine core."""
 
 from __future__ import annotations
 

@@ -4,9 +4,11 @@ core (`chunkserve.engine.core`) runs them, and callers never wait on a step.
 The core runs either in a process of its own (`from_engine_args`, what `chunkserve serve`
 uses) or on a thread of this process (`from_engine`, over an engine the caller keeps: tests
 and `--disable-frontend-multiprocessing`). Either way it is driven by the same commands and
-reports the same events; this side turns the events into each request's asyncio queue (one
-output per sampled token, the moment the step ends), settles the futures of adds and prefix
-cache resets, keeps the step records, and calls the step observers (/metrics, the trace).
+reports the same events (engine/messages.py). Text stays on this side: the input processor
+tokenizes and checks each request before the core sees it, and the output processor turns the
+core's new token ids into each request's `RequestOutput` (one per step that gave it tokens,
+the moment the step ends), settling the futures of adds and prefix cache resets, keeping the
+step records and calling the step observers (/metrics, the trace).
 """
 
 from __future__ import annotations
@@ -14,37 +16,34 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
-import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from chunkserve.config import EngineArgs
-from chunkserve.core.scheduler_output import SchedulerStats
-from chunkserve.engine.core import (
+from chunkserve.config.engine import EngineArgs
+from chunkserve.config.model import ModelSource, resolve_model
+from chunkserve.core.sched.output import SchedulerStats
+from chunkserve.engine.core import MAX_STEP_RECORDS
+from chunkserve.engine.core_client import CoreClient, EventHandler, ProcessCore, ThreadCore
+from chunkserve.engine.input_processor import InputProcessor
+from chunkserve.engine.llm_engine import LLMEngine
+from chunkserve.engine.messages import (
     AbortRequests,
     Accepted,
     AddRequest,
-    Command,
-    EngineCore,
+    EngineCoreOutputs,
     EngineDied,
-    EngineInfo,
-    EngineUpdate,
     Event,
     PrefixCacheReset,
-    Ready,
     ResetPrefixCache,
     Shutdown,
     Stopped,
-    run_engine_process,
 )
-from chunkserve.engine.llm_engine import MAX_STEP_RECORDS, LLMEngine
+from chunkserve.engine.output_processor import OutputProcessor
 from chunkserve.engine.outputs import RequestOutput, StepRecord
 from chunkserve.engine.tokenizer import load_tokenizer
 from chunkserve.errors import EngineDeadError, InvalidRequestError
-from chunkserve.model.loader import resolve_model
 from chunkserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,7 +52,6 @@ logger = logging.getLogger(__name__)
 # outputs it produced, and the scheduler's state after it. It runs on the thread that receives
 # the core's events (the engine thread itself when the core runs on a thread).
 StepObserver = Callable[[StepRecord | None, list[RequestOutput], SchedulerStats], None]
-EventHandler = Callable[[Event], None]
 
 
 class RequestStream:
@@ -88,113 +86,13 @@ class RequestStream:
             self._abort(self.request_id)
 
 
-class ThreadCore:
-    """The engine core on a thread of this process, over an engine the caller keeps."""
-
-    def __init__(self, engine: LLMEngine, on_event: EventHandler, max_waiting_requests: int | None) -> None:
-        self.info = EngineInfo.of(engine)
-        self.tokenizer = engine.tokenizer
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        core = EngineCore(engine, on_event, max_waiting_requests)
-        self._thread = threading.Thread(target=core.run, args=(self._commands,), name="chunkserve-engine",
-                                        daemon=True)
-        self._thread.start()
-
-    def send(self, command: Command) -> None:
-        self._commands.put(command)
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-
-
-class ProcessCore:
-    """The engine core in a process of its own (spawned, so no torch state is forked), talking
-    over two pipes. Commands go through a sender thread, so the event loop never blocks on a
-    full pipe; events arrive on a receiver thread. Construction returns once the engine is
-    built, and raises what building it raised (ModelLoadError, InvalidRequestError, ...)."""
-
-    def __init__(self, args: EngineArgs, on_event: EventHandler, max_waiting_requests: int | None) -> None:
-        context = multiprocessing.get_context("spawn")
-        commands_child, self._commands = context.Pipe(duplex=False)
-        self._events, events_child = context.Pipe(duplex=False)
-        self._process = context.Process(
-            target=run_engine_process, name="chunkserve-engine-core", daemon=True,
-            args=(args, max_waiting_requests, commands_child, events_child, logging.getLogger().getEffectiveLevel()),
-        )
-        self._process.start()
-        commands_child.close()
-        events_child.close()
-        try:
-            self.tokenizer = load_tokenizer(resolve_model(args.model))  # while the engine loads
-            self.info = self._wait_ready()
-        except BaseException:
-            self._process.kill()
-            self._process.join()
-            raise
-        self._on_event = on_event
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._send_commands, name="chunkserve-core-send", daemon=True).start()
-        self._receiver = threading.Thread(target=self._receive_events, name="chunkserve-core-receive", daemon=True)
-        self._receiver.start()
-
-    def _wait_ready(self) -> EngineInfo:
-        try:
-            first = self._events.recv()
-        except EOFError:
-            self._process.join(5)
-            raise EngineDeadError(f"the engine process exited (code {self._process.exitcode}) before it was ready")
-        if isinstance(first, EngineDied):
-            raise first.error
-        assert isinstance(first, Ready), first
-        return first.info
-
-    def send(self, command: Command) -> None:
-        self._outbox.put(command)
-
-    def is_alive(self) -> bool:
-        return self._process.is_alive()
-
-    def join(self, timeout_s: float) -> None:
-        self._process.join(timeout_s)
-        if self._process.is_alive():
-            logger.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
-            self._process.kill()
-            self._process.join()
-        self._receiver.join(timeout_s)
-
-    def _send_commands(self) -> None:
-        while True:
-            command = self._outbox.get()
-            try:
-                self._commands.send(command)
-            except OSError:  # the process is gone; the receiver reports it
-                return
-            if isinstance(command, Shutdown):
-                return
-
-    def _receive_events(self) -> None:
-        while True:
-            try:
-                event = self._events.recv()
-            except (EOFError, OSError):
-                self._process.join(5)
-                code = self._process.exitcode
-                self._on_event(EngineDied(EngineDeadError(f"the engine process exited unexpectedly (code {code})")))
-                return
-            self._on_event(event)
-            if isinstance(event, (Stopped, EngineDied)):
-                return
-
-
 class AsyncLLM:
     """`await`-able generation over an engine core; build it with `from_engine_args` or
     `from_engine`."""
 
-    def __init__(self, start_core: Callable[[EventHandler], ThreadCore | ProcessCore],
-                 observers: list[StepObserver] | None = None) -> None:
+    def __init__(self, start_core: Callable[[EventHandler], CoreClient], get_tokenizer: Callable[[], Any],
+                 source: ModelSource, observers: list[StepObserver] | None = None) -> None:
+        """`get_tokenizer` is called once the core has started."""
         self.observers = list(observers or [])
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self._lock = threading.Lock()  # the registries below are shared with the event thread
@@ -205,8 +103,10 @@ class AsyncLLM:
         self._dead: EngineDeadError | None = None
         self._stopped = threading.Event()
         self._core = start_core(self._on_event)
-        self.info: EngineInfo = self._core.info
-        self.tokenizer: Any = self._core.tokenizer
+        self.info = self._core.info
+        self.tokenizer: Any = get_tokenizer()
+        self.input_processor = InputProcessor(self.tokenizer, source, self.info)
+        self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_waiting_requests: int | None = None,
@@ -214,13 +114,22 @@ class AsyncLLM:
         """Build the engine from `args`: in its own process (default) or on a thread."""
         if not multiprocess:
             return cls.from_engine(LLMEngine(args), max_waiting_requests, observers)
-        return cls(lambda on_event: ProcessCore(args, on_event, max_waiting_requests), observers)
+        source = resolve_model(args.model)
+        loaded: dict[str, Any] = {}
+
+        def load() -> None:  # while the engine process loads the model
+            loaded["tokenizer"] = load_tokenizer(source)
+
+        return cls(lambda on_event: ProcessCore(args, on_event, max_waiting_requests, while_loading=load),
+                   lambda: loaded["tokenizer"], source, observers)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine, max_waiting_requests: int | None = None,
                     observers: list[StepObserver] | None = None) -> AsyncLLM:
-        """Run `engine` on a thread of this process; after `shutdown()` it is the caller's again."""
-        return cls(lambda on_event: ThreadCore(engine, on_event, max_waiting_requests), observers)
+        """Run `engine`'s core on a thread of this process; after `shutdown()` it is the caller's again."""
+        source = resolve_model(engine.args.model)
+        return cls(lambda on_event: ThreadCore(engine.engine_core, engine.info, on_event, max_waiting_requests),
+                   lambda: engine.tokenizer, source, observers)
 
     @property
     def is_running(self) -> bool:
@@ -235,12 +144,17 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         accepted, outputs = loop.create_future(), asyncio.Queue()
         with self._lock:
-            if self._dead is not None or not self._core.is_alive():
-                raise EngineDeadError("the engine is not running")
+            self._check_alive()
+            if request_id in self._accepting or request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        request, text = self.input_processor.process(request_id, prompt, params, priority)
+        with self._lock:
+            self._check_alive()
             if request_id in self._accepting or request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._accepting[request_id] = (loop, accepted, outputs)
-        self._core.send(AddRequest(request_id, prompt, params, priority))
+            self.output_processor.add_request(request, text)
+        self._core.send(AddRequest(request))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -254,8 +168,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         done, ticket = loop.create_future(), next(self._tickets)
         with self._lock:
-            if self._dead is not None or not self._core.is_alive():
-                raise EngineDeadError("the engine is not running")
+            self._check_alive()
             self._resets[ticket] = (loop, done)
         self._core.send(ResetPrefixCache(ticket))
         return await done
@@ -275,10 +188,14 @@ class AsyncLLM:
             self._stopped.wait(timeout_s)
         self._core.join(timeout_s)
 
+    def _check_alive(self) -> None:
+        if self._dead is not None or not self._core.is_alive():
+            raise EngineDeadError("the engine is not running")
+
     # ----- the core's events (engine or receiver thread) -------------------------------------
 
     def _on_event(self, event: Event) -> None:
-        if isinstance(event, EngineUpdate):
+        if isinstance(event, EngineCoreOutputs):
             self._deliver(event)
             return
         with self._lock:
@@ -286,6 +203,8 @@ class AsyncLLM:
                 loop, accepted, outputs = self._accepting.pop(event.request_id)
                 if event.error is None:
                     self._streams[event.request_id] = (loop, outputs)
+                else:
+                    self.output_processor.remove_request(event.request_id)
                 _call_in(loop, _settle, accepted, event.error)
             elif isinstance(event, PrefixCacheReset):
                 loop, done = self._resets.pop(event.ticket)
@@ -297,11 +216,14 @@ class AsyncLLM:
                 self._fail_everything(EngineDeadError(f"engine failed: {event.error!r}"))
                 self._stopped.set()
 
-    def _deliver(self, update: EngineUpdate) -> None:
+    def _deliver(self, update: EngineCoreOutputs) -> None:
         if update.record is not None:
             self.step_records.append(update.record)
         with self._lock:
-            for output in update.outputs:
+            processed = self.output_processor.process_outputs(update.outputs, update.timestamp)
+            if processed.requests_to_abort:  # stop strings: sent before their streams end, so before any reuse of the id
+                self._core.send(AbortRequests(processed.requests_to_abort))
+            for output in processed.request_outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is None:
                     continue
@@ -311,7 +233,7 @@ class AsyncLLM:
                 item = output if update.step_error is None else RuntimeError(update.step_error)
                 _call_in(loop, outputs.put_nowait, item)
         for observer in self.observers:
-            observer(update.record, update.outputs, update.stats)
+            observer(update.record, processed.request_outputs, update.stats)
 
     def _fail_everything(self, error: EngineDeadError) -> None:
         self._dead = error

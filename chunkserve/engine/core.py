@@ -1,237 +1,195 @@
-"""The engine core: the loop that owns an `LLMEngine`, and the messages that drive it.
+"""The engine core: token ids in, new token ids out. One `step()` is
 
-The loop takes commands (add, abort, reset the prefix cache, shut down) between steps, in the
-order they were sent, and reports everything that happens as events: a request accepted or
-refused, the outputs and record of each step, the engine's death. Commands and events are
-plain picklable dataclasses, so the same loop runs on a thread beside the caller or, as
-`chunkserve serve` runs it, in a process of its own (`run_engine_process`): there it shares no
-GIL with the HTTP server, whose Python work otherwise stalls every torch op of a step on its
-way back into the interpreter (measured in docs/BENCHMARKS.md, "Engine-core process").
+    scheduler.schedule() -> executor.execute_model() -> scheduler.update_from_output()
+
+and everything textual (tokenizing, detokenizing, stop strings) happens in the frontend
+(input_processor.py, output_processor.py). The core also times its steps, feeds the
+step-time model the TBT/TTFT SLOs plan with, and keeps a record of every step.
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
-import queue
-import signal
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections import deque
 
-from chunkserve.config import EngineArgs
-from chunkserve.core.scheduler_output import SchedulerStats
-from chunkserve.engine.llm_engine import LLMEngine
-from chunkserve.engine.outputs import RequestOutput, StepRecord
-from chunkserve.errors import ServerOverloadedError
-from chunkserve.sampling_params import SamplingParams
+from chunkserve.config.engine import EngineArgs
+from chunkserve.config.scheduler import SchedulerConfig
+from chunkserve.core.request import Request, RequestStatus
+from chunkserve.core.sched.output import EngineCoreOutput, SchedulerOutput, SchedulerStats, hit_rate
+from chunkserve.core.sched.scheduler import Scheduler
+from chunkserve.core.step_predictor import StepShape, StepTimePredictor
+from chunkserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from chunkserve.engine.outputs import StepRecord
+from chunkserve.errors import InvalidRequestError
+from chunkserve.executor.base import Executor
+from chunkserve.executor.uniproc import UniProcExecutor
+from chunkserve.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-
-# ----- commands (caller -> engine) ----------------------------------------------------------
-
-@dataclass
-class AddRequest:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int = 0
-
-
-@dataclass
-class AbortRequests:
-    request_ids: list[str] | None  # None: every request in flight
-
-
-@dataclass
-class ResetPrefixCache:
-    ticket: int  # echoed in the PrefixCacheReset event that answers it
-
-
-@dataclass
-class Shutdown:
-    """Abort whatever is in flight, answer `Stopped`, end the loop."""
-
-
-Command = AddRequest | AbortRequests | ResetPrefixCache | Shutdown
-
-
-# ----- events (engine -> caller) ------------------------------------------------------------
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the server needs to know of the engine it cannot see."""
-
-    model_name: str
-    max_model_len: int
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> EngineInfo:
-        return cls(model_name=engine.source.name, max_model_len=engine.max_model_len)
-
-
-@dataclass
-class Ready:
-    info: EngineInfo
-
-
-@dataclass
-class Accepted:
-    request_id: str
-    error: BaseException | None  # None: queued; else why it was refused
-
-
-@dataclass
-class EngineUpdate:
-    """A step ran (`record` set) or requests were aborted (`record` None). `step_error` set:
-    the step failed, and `outputs` are the requests it aborted because of that."""
-
-    record: StepRecord | None
-    outputs: list[RequestOutput]
-    stats: SchedulerStats
-    step_error: str | None = None
-
-
-@dataclass
-class PrefixCacheReset:
-    ticket: int
-    reset: bool
-
-
-@dataclass
-class EngineDied:
-    error: BaseException
-
-
-@dataclass
-class Stopped:
-    pass
-
-
-Event = Ready | Accepted | EngineUpdate | PrefixCacheReset | EngineDied | Stopped
+MAX_STEP_RECORDS = 100_000
 
 
 class EngineCore:
-    """Runs `engine` until `Shutdown`, reporting to `emit`. One thread owns the engine, so
-    nothing in it needs a lock. A step that raises fails the requests it held and the loop goes
-    on; anything else that raises ends the loop with `EngineDied`.
+    def __init__(self, config: EngineArgs, executor: Executor | None = None) -> None:
+        self.config = config
+        self.executor = executor or UniProcExecutor(config)
+        self.model_config: ModelConfig = self.executor.model_config
+        num_blocks = self.executor.determine_num_kv_blocks()
+        self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks)
+        self.scheduler_config = SchedulerConfig.from_engine_args(config, self.max_model_len)
+        check_budget(self.scheduler_config)
+        self.executor.load_model(self.max_model_len)
+        self.executor.initialize_kv_cache(num_blocks)
+        self.predictor = StepTimePredictor()
+        self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor)
+        self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
+        self._next_step_id = 0
+        if self.scheduler_config.tbt_slo_ms is not None or self.scheduler_config.ttft_slo_ms is not None:
+            self._profile_step_time()
+        logger.info("engine core ready: %s, %d KV blocks of %d tokens, max_model_len %d",
+                    self.model_config.architecture, num_blocks, config.block_size, self.max_model_len)
 
-    `max_waiting_requests` (None: unlimited) refuses new requests with ServerOverloadedError
-    while that many are already waiting for admission.
-    """
+    def info(self, model_name: str) -> EngineInfo:
+        return EngineInfo(model_name, self.max_model_len, self.model_config.vocab_size)
 
-    def __init__(self, engine: LLMEngine, emit: Callable[[Event], None],
-                 max_waiting_requests: int | None = None) -> None:
-        self.engine = engine
-        self.emit = emit
-        self.max_waiting_requests = max_waiting_requests
-        self._live: set[str] = set()  # accepted and not finished
+    # ----- requests ---------------------------------------------------------------------
 
-    def run(self, commands: queue.SimpleQueue) -> None:
-        try:
-            while True:
-                for command in _take(commands, block=not self.engine.has_unfinished_requests()):
-                    if isinstance(command, Shutdown):
-                        self._abort(None)
-                        self.emit(Stopped())
-                        return
-                    self._apply(command)
-                self._step()
-        except BaseException as error:  # a bug in the engine: tell the caller, never hang it
-            logger.exception("engine loop died")
-            try:
-                self.emit(EngineDied(_picklable(error)))
-            except OSError:  # the caller is gone too (the process transport's pipe is closed)
-                pass
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.scheduler.add_request(Request(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            priority=request.priority,
+            arrival_time=request.arrival_time,
+        ))
 
-    def _apply(self, command: Command) -> None:
-        if isinstance(command, AbortRequests):
-            self._abort(command.request_ids)
-        elif isinstance(command, ResetPrefixCache):
-            self.emit(PrefixCacheReset(command.ticket, self.engine.reset_prefix_cache()))
-        else:
-            self.emit(Accepted(command.request_id, self._add(command)))
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Abort requests at any point; their blocks return to the pool at once."""
+        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [Scheduler.output_of(request, []) for request in aborted]
 
-    def _add(self, command: AddRequest) -> BaseException | None:
-        try:
-            waiting = self.engine.get_stats().num_waiting
-            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
-                raise ServerOverloadedError(f"{waiting} requests are already waiting; retry later")
-            self.engine.add_request(command.request_id, command.prompt, command.params, command.priority)
-        except Exception as error:  # refused (InvalidRequestError, ServerOverloadedError) or a bug
-            return _picklable(error)
-        self._live.add(command.request_id)
-        return None
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
 
-    def _abort(self, request_ids: list[str] | None) -> None:
-        ids = list(self._live) if request_ids is None else [i for i in request_ids if i in self._live]
-        if ids:
-            self._update(None, self.engine.abort_request(ids))
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
 
-    def _step(self) -> None:
-        if not self.engine.has_unfinished_requests():
-            return
-        try:
-            outputs = self.engine.step()
-        except Exception as error:  # a bug this batch hit: fail its requests, keep serving
-            logger.exception("engine step failed; aborting every request in flight")
-            message = f"the engine step failed ({error!r}); the request was aborted"
-            self._update(None, self.engine.abort_request(list(self._live)), message)
-            return
-        self._update(self.engine.last_step_record, outputs)
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
 
-    def _update(self, record: StepRecord | None, outputs: list[RequestOutput], step_error: str | None = None) -> None:
-        self._live.difference_update(o.request_id for o in outputs if o.finished)
-        self.emit(EngineUpdate(record, outputs, self.engine.get_stats(), step_error))
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any request is unfinished."""
+        return self.scheduler.reset_prefix_cache()
+
+    # ----- the step -----------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs | None:
+        """One step; None when nothing was scheduled."""
+        start_wall, start = time.time(), time.perf_counter()
+        margin = self.predictor.margin
+        scheduled = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduled)
+        if scheduled.is_empty:
+            return None
+        outputs = self.scheduler.update_from_output(scheduled, runner_output)
+        duration = time.perf_counter() - start
+        self.predictor.observe(StepShape.of(scheduled.scheduled), duration)
+        record = self._record(scheduled, start_wall, duration, margin)
+        return EngineCoreOutputs(outputs, time.time(), record, self.scheduler.stats())
+
+    def _record(self, scheduled: SchedulerOutput, start_wall: float, duration: float, margin: float) -> StepRecord:
+        errors = self.predictor.error_quantiles()
+        record = StepRecord(
+            step_id=self._next_step_id,
+            start_time=start_wall,
+            duration_s=duration,
+            predicted_duration_s=scheduled.predicted_duration_s,
+            prediction_error_p50=errors[0] if errors else None,
+            prediction_error_p90=errors[1] if errors else None,
+            slo_margin=margin,
+            prefill_wait_guard=scheduled.prefill_wait_guard,
+            forward_mode=scheduled.forward_mode,
+            num_prefill_tokens=scheduled.num_prefill_tokens,
+            num_decode_tokens=scheduled.num_decode_tokens,
+            num_requests=len(scheduled.scheduled),
+            num_preemptions=len(scheduled.preempted_request_ids),
+            kv_cache_usage=self.scheduler.kv.usage,
+            prefix_cache_queries=scheduled.prefix_cache_queries,
+            prefix_cache_hits=scheduled.prefix_cache_hits,
+            prefix_cache_hit_rate=hit_rate(self.scheduler.prefix_cache_hits, self.scheduler.prefix_cache_queries),
+        )
+        self.step_records.append(record)
+        self._next_step_id += 1
+        return record
+
+    # ----- the step-time profile -------------------------------------------------------------
+
+    def time_synthetic_step(self, rows: list[tuple[int, int]], seed: int = 0) -> float:
+        """Run one step of made-up requests, a (start position, tokens) pair each, and return
+        its seconds. For the start-up profile and benchmarks/step_time_curve.py: only while no
+        request is unfinished, as its KV lands in blocks 0.. (the prefix cache is dropped)."""
+        if self.has_unfinished_requests() or not self.scheduler.reset_prefix_cache():
+            raise RuntimeError("time_synthetic_step needs an idle engine: its KV overwrites pool blocks")
+        for start, num_tokens in rows:
+            if start + num_tokens > self.max_model_len:
+                raise InvalidRequestError(f"synthetic request ({start}, {num_tokens}) exceeds max_model_len")
+        return self.executor.profile(rows, seed)
+
+    def _profile_step_time(self) -> None:
+        """Seed the step-time model with a few synthetic steps (a few seconds at most), so the
+        SLOs have predictions from the first real step: chunks of 16 tokens and a quarter, half
+        and all of the budget (capped at 512: the model extrapolates linearly), one after a
+        long context, decode batches of 1, 8 and 32 rows, and a mix."""
+        config = self.scheduler_config
+        chunk = min(config.max_num_batched_tokens, 512, self.max_model_len // 2)
+        decode_context = min(256, self.max_model_len - 1)
+        decodes = [[(decode_context, 1)] * n for n in (1, 8, 32) if n <= config.max_num_seqs]
+        steps = [[(0, min(16, chunk))], [(0, max(chunk // 4, 1))], [(0, max(chunk // 2, 1))], [(0, chunk)],
+                 [(chunk, chunk)], *decodes, decodes[-1][:8] + [(0, max(chunk // 2, 1))]]
+        self.time_synthetic_step(steps[0])  # warm-up
+        for index, step in enumerate(steps):
+            self.predictor.observe(StepShape.of_rows(step), self.time_synthetic_step(step, seed=index),
+                                   count_error=False)
+        self.predictor.refit()
+        logger.info("step-time model from %d profile steps: %s", len(steps), self.predictor.describe())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
 
-def _take(commands: queue.SimpleQueue, block: bool) -> list[Command]:
-    taken = [commands.get()] if block else []
-    while True:
-        try:
-            taken.append(commands.get_nowait())
-        except queue.Empty:
-            return taken
+def resolve_max_model_len(config: EngineArgs, model_config: ModelConfig, num_blocks: int) -> int:
+    pool_tokens = num_blocks * config.block_size
+    model_limit = model_config.max_position_embeddings
+    if model_config.sliding_window:
+        model_limit = min(model_limit, model_config.sliding_window)
+    requested = config.max_model_len
+    if requested is None:
+        if pool_tokens < model_limit:
+            logger.warning("max_model_len capped at %d tokens: all the KV pool holds", pool_tokens)
+        return min(model_limit, pool_tokens)
+    if requested > model_limit:
+        raise InvalidRequestError(f"max_model_len {requested} exceeds the model's limit of {model_limit} tokens")
+    if requested > pool_tokens:
+        raise InvalidRequestError(
+            f"max_model_len {requested} exceeds what the KV pool holds ({num_blocks} blocks x "
+            f"{config.block_size} = {pool_tokens} tokens): raise kv_cache_memory_gb or num_kv_blocks"
+        )
+    return requested
 
 
-def _picklable(error: BaseException) -> BaseException:
-    """`error` itself when it survives pickling (the process transport), else a RuntimeError
-    with its repr."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(repr(error))
-
-
-def run_engine_process(args: EngineArgs, max_waiting_requests: int | None, commands_conn, events_conn,
-                       log_level: int) -> None:
-    """The engine-core process's main: build the engine, answer `Ready` (or `EngineDied` if it
-    cannot be built), then run the loop. Stop signals are left to the server, which shuts the
-    engine down with `Shutdown` after its graceful-shutdown window; if the server dies, the
-    command pipe closes and the engine shuts down by itself."""
-    for stop_signal in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(stop_signal, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        engine = LLMEngine(args)
-    except BaseException as error:
-        events_conn.send(EngineDied(_picklable(error)))
-        return
-    commands: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_receive_commands, args=(commands_conn, commands), daemon=True,
-                     name="chunkserve-commands").start()
-    events_conn.send(Ready(EngineInfo.of(engine)))
-    EngineCore(engine, events_conn.send, max_waiting_requests).run(commands)
-
-
-def _receive_commands(conn, commands: queue.SimpleQueue) -> None:
-    """Pumps the pipe into the loop's queue, so commands pile up while a step runs instead of
-    blocking the server's sends on a full pipe."""
-    while True:
-        try:
-            commands.put(conn.recv())
-        except (EOFError, OSError):  # the server is gone
-            commands.put(Shutdown())
-            return
+def check_budget(config: SchedulerConfig) -> None:
+    if config.max_num_batched_tokens < config.max_num_seqs:
+        raise InvalidRequestError(
+            f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_num_seqs "
+            f"({config.max_num_seqs}), so every running decode fits in a step"
+        )
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < config.max_model_len:
+        raise InvalidRequestError(
+            f"with chunked prefill off a whole prompt must fit one step: max_num_batched_tokens "
+            f"({config.max_num_batched_tokens}) must be at least max_model_len ({config.max_model_len})"
+        )

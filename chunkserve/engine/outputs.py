@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from chunkserve.core.scheduler_output import ForwardMode, TokenLogprobs
+from chunkserve.core.sched.output import ForwardMode, TokenLogprobs
 
 
 @dataclass

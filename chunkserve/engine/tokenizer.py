@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from chunkserve.errors import InvalidRequestError, ModelLoadError
-from chunkserve.model.loader import ModelSource
+from chunkserve.config.model import ModelSource
 
 logger = logging.getLogger(__name__)
 

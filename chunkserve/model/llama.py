@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from chunkserve.model.config import ModelConfig
-from chunkserve.model.ops import TORCH_OPS, BlockWeight, ModelOps
-from chunkserve.worker.attention import AttentionMetadata, paged_attention, write_kv
+from chunkserve.ops.model_ops import TORCH_OPS, BlockWeight, ModelOps
+from chunkserve.attention.paged import AttentionMetadata, paged_attention, write_kv
 
 
 class UsesOps:
@@ -149,8 +149,13 @@ class LlamaModel(nn.Module, UsesOps):
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         hidden, residual = self.embed_tokens(input_ids), None
         rotary = self.rotary(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        connector = meta.kv_connector
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if connector is not None:
+                connector.wait_for_layer_load(index)
             hidden, residual = layer(hidden, residual, rotary, kv_cache, meta)
+            if connector is not None:
+                connector.save_kv_layer(index, *kv_cache, meta)
         return self.norm.add_forward(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

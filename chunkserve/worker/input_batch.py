@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from chunkserve.core.scheduler_output import ScheduledRequest
-from chunkserve.worker.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from chunkserve.worker.cpp_ops import AttentionKernels
+from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.attention.paged import AttentionMetadata, DecodeGroup, PrefillChunk
+from chunkserve.ops.cpp_ops import AttentionKernels
 
 
 @dataclass
@@ -18,17 +19,22 @@ class ForwardBatch:
     positions: torch.Tensor  # [T]
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [R] rows whose hidden state is turned into logits
-    sample_request_ids: list[str]  # [R] the request each of those rows belongs to
+    sample_request_ids: list[str]  # the requests that sample, in row order
+    num_sampled_rows: list[int]  # rows each of them samples (1, or 1 + its drafts): R in all
 
 
-def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, list[int]],
-                        block_size: int, kernels: AttentionKernels | None = None) -> ForwardBatch:
+def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: Mapping[str, list[int]],
+                        block_tables: Mapping[str, np.ndarray], block_size: int,
+                        kernels: AttentionKernels | None = None) -> ForwardBatch:
     """Flatten the step. Single-token rows (decodes) go first and are attended together:
     all in one call of `kernels.decode`, which reads their blocks in place, or without
     kernels in groups of similar context length; longer chunks follow, each attended on its
     own: by `kernels.prefill` through its block table, or without kernels over its gathered keys.
 
-    `token_ids[request_id]` is the request's whole token list (prompt + output so far).
+    `token_ids[request_id]` is the request's whole token list (prompt + output so far), and
+    `block_tables[request_id]` its block ids (the worker's copy, kept up to date from the
+    scheduler's diffs). A decode's draft tokens follow its last token in its rows, and all of
+    its rows are sampled.
     """
     singles = [s for s in scheduled if s.num_scheduled_tokens == 1]
     chunks = [s for s in scheduled if s.num_scheduled_tokens > 1]
@@ -39,12 +45,15 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, 
     slots: list[np.ndarray] = []
     logits_rows: list[int] = []
     sample_ids: list[str] = []
+    num_sampled_rows: list[int] = []
     prefills: list[PrefillChunk] = []
     row = 0
     for s in ordered:
         start, count = s.num_computed_tokens, s.num_scheduled_tokens
-        input_ids.extend(token_ids[s.request_id][start : start + count])
-        table = np.asarray(s.block_table, dtype=np.int64)
+        num_known = count - len(s.draft_token_ids)
+        input_ids.extend(token_ids[s.request_id][start : start + num_known])
+        input_ids.extend(s.draft_token_ids)
+        table = block_tables[s.request_id]
         new_positions = np.arange(start, start + count, dtype=np.int64)
         positions.append(new_positions)
         slots.append(_slots_of(table, new_positions, block_size))
@@ -58,12 +67,13 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, 
                 prefills.append(PrefillChunk(row, count, start, chunk_table))
         row += count
         if s.sample:
-            logits_rows.append(row - 1)
+            logits_rows.extend(range(row - s.num_sampled_rows, row))
             sample_ids.append(s.request_id)
+            num_sampled_rows.append(s.num_sampled_rows)
 
     attn = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(slots)),
-        decode_groups=_decode_groups(singles, block_size, gather=kernels is None),
+        decode_groups=_decode_groups(singles, block_tables, block_size, gather=kernels is None),
         prefills=prefills,
         block_size=block_size,
         kernels=kernels,
@@ -74,6 +84,7 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: dict[str, 
         attn=attn,
         logits_indices=torch.tensor(logits_rows, dtype=torch.long),
         sample_request_ids=sample_ids,
+        num_sampled_rows=num_sampled_rows,
     )
 
 
@@ -110,17 +121,19 @@ def group_by_context(singles: list[ScheduledRequest]) -> list[list[int]]:
     return [sorted(group) for group in groups]
 
 
-def _decode_groups(singles: list[ScheduledRequest], block_size: int, gather: bool) -> list[DecodeGroup]:
+def _decode_groups(singles: list[ScheduledRequest], block_tables: Mapping[str, np.ndarray], block_size: int,
+                   gather: bool) -> list[DecodeGroup]:
     """One group of every decode for the in-place op; for the gathering path, groups of
     similar context length with their key slots."""
     if not singles:
         return []
     if not gather:
-        return [_decode_group(singles, list(range(len(singles))), block_size, gather)]
-    return [_decode_group(singles, rows, block_size, gather) for rows in group_by_context(singles)]
+        return [_decode_group(singles, list(range(len(singles))), block_tables, block_size, gather)]
+    return [_decode_group(singles, rows, block_tables, block_size, gather) for rows in group_by_context(singles)]
 
 
-def _decode_group(singles: list[ScheduledRequest], rows: list[int], block_size: int, gather: bool) -> DecodeGroup:
+def _decode_group(singles: list[ScheduledRequest], rows: list[int], block_tables: Mapping[str, np.ndarray],
+                  block_size: int, gather: bool) -> DecodeGroup:
     """Block tables `[B, max_blocks]` and context lengths of the group's single-token rows;
     when `gather`, also their key slots `[B, max_len]`, padded with slot 0, and the mask
     `[B, 1, 1, max_len]` of real keys. Context lengths [3, 1] -> mask [[1,1,1],[1,0,0]]."""
@@ -130,7 +143,7 @@ def _decode_group(singles: list[ScheduledRequest], rows: list[int], block_size: 
     max_blocks = -(-max_len // block_size)
     tables = np.zeros((len(members), max_blocks), dtype=np.int64)
     for i, s in enumerate(members):
-        used = s.block_table[:max_blocks]
+        used = block_tables[s.request_id][:max_blocks]
         tables[i, : len(used)] = used
     row_ids = torch.tensor(rows, dtype=torch.long)
     block_tables, lens = torch.from_numpy(tables), torch.from_numpy(context_lens)

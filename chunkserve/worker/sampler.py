@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chunkserve.core.scheduler_output import TokenLogprobs
+from chunkserve.core.sched.output import TokenLogprobs
 from chunkserve.sampling_params import SamplingParams
 
 

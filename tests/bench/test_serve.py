@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from chunkserve import cli
+from chunkserve.entrypoints import cli
 from chunkserve.bench.serve import add_arguments, format_table, run_benchmark
 from tests.server_process import API_KEY
 

@@ -12,8 +12,9 @@ import pytest
 from chunkserve.bench import serve as bench_serve
 from chunkserve.bench import sweep
 from chunkserve.bench.sweep import ServerConfig, SweepConfig
-from chunkserve.cli import build_parser
+from chunkserve.entrypoints.cli import build_parser
 from chunkserve.config import EngineArgs
+from chunkserve.entrypoints.args import from_cli_args
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 SHIPPED = os.path.join(BENCHMARKS, "sweep.yaml")
@@ -34,7 +35,7 @@ def test_every_shipped_sweep_config_parses(path):
     cli = build_parser()
     for server in config.configs:
         if server.command is None:
-            EngineArgs.from_cli_args(cli.parse_args(["serve", *config.server_args, *server.args]))
+            from_cli_args(EngineArgs, cli.parse_args(["serve", *config.server_args, *server.args]))
     bench = argparse.ArgumentParser()
     bench_serve.add_arguments(bench)
     flag_sets = list(config.workloads.values()) + ([config.capacity["args"]] if config.capacity else [])

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from chunkserve.core.block_pool import BlockPool
-from chunkserve.core.kv_cache_manager import KVCacheManager
+from chunkserve.core.kv.block_pool import BlockPool
+from chunkserve.core.kv.kv_cache_manager import KVCacheManager
 
 
 def test_allocate_is_all_or_nothing():

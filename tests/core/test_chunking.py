@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from chunkserve.core.chunking import ChunkSchedule, align_chunk
+from chunkserve.config.scheduler import ChunkSchedule
+from chunkserve.core.sched.chunking import align_chunk
 from chunkserve.errors import InvalidRequestError
 
 

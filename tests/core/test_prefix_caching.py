@@ -10,7 +10,7 @@ import random
 import pytest
 
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.scheduler import Scheduler
+from chunkserve.core.sched.scheduler import Scheduler
 from chunkserve.sampling_params import SamplingParams
 from tests.core.test_scheduler import BLOCK, EOS, FakeRunner, assert_pool_free, make_scheduler, run
 
@@ -37,7 +37,7 @@ def assert_references_match_tables(scheduler: Scheduler, output=None) -> None:
     pool = scheduler.kv.pool
     for s in output.scheduled if output is not None else []:
         first, last = s.num_computed_tokens // BLOCK, (s.num_computed_tokens + s.num_scheduled_tokens - 1) // BLOCK
-        for block_id in s.block_table[first : last + 1]:
+        for block_id in scheduler.kv.block_table(s.request_id)[first : last + 1]:
             assert pool.ref_count(block_id) == 1 and not pool.is_cached(block_id), f"{s.request_id} writes a shared block"
     holders = [0] * pool.num_blocks
     for r in scheduler.running:
@@ -193,7 +193,7 @@ def test_reset_prefix_cache_is_refused_while_requests_are_unfinished():
 
 
 def test_block_hashes_are_a_sha256_chain():
-    from chunkserve.core.kv_cache_manager import ROOT_HASH, hash_block
+    from chunkserve.core.kv.kv_cache_manager import ROOT_HASH, hash_block
 
     block = [5, 6, 7, 8]
     first = hash_block(ROOT_HASH, block)
@@ -203,4 +203,4 @@ def test_block_hashes_are_a_sha256_chain():
     scheduler = make_scheduler()
     probe = request("probe", block + block + [1])
     scheduler.kv.get_computed_blocks(probe)
-    assert probe.block_hashes == [first, hash_block(first, block)]
+    assert scheduler.kv.block_hashes("probe") == [first, hash_block(first, block)]

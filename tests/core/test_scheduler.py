@@ -17,8 +17,8 @@ import pytest
 
 from chunkserve.config import SchedulerConfig
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.scheduler import Scheduler
-from chunkserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from chunkserve.core.sched.scheduler import Scheduler
+from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from chunkserve.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -38,36 +38,77 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, priority
                    eos_token_id=EOS, priority=priority, arrival_time=arrival)
 
 
+def fake_model(tokens: list[int]) -> int:
+    """The fake runner's "model": the next token, a deterministic function of the history."""
+    return (sum(tokens) * 31 + len(tokens)) % 997 + 1
+
+
 class FakeRunner:
-    def __init__(self, block_size: int = BLOCK) -> None:
+    """Keeps each request's token history and block table (from the scheduler's diffs), as
+    the real worker does. With `speculate`, it also proposes 0-4 draft tokens per decode,
+    each right (the model's own continuation) with probability `draft_accuracy`, and verifies
+    them as a real runner does: drafts are accepted while they equal the model's token, then
+    the model's own token follows; so every accepted run has a random length."""
+
+    def __init__(self, block_size: int = BLOCK, speculate: bool = False, draft_accuracy: float = 0.7,
+                 seed: int = 0) -> None:
         self.block_size = block_size
         self.slots: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.num_computed = 0  # tokens computed over all steps
         self.tokens: dict[str, list[int]] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.speculate = speculate
+        self.draft_accuracy = draft_accuracy
+        self.rng = random.Random(seed)
+        self.num_drafted = self.num_accepted = 0
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in output.finished_request_ids:
             self.tokens.pop(request_id)
+            self.tables.pop(request_id, None)
         for new in output.new_requests:
             self.tokens[new.request_id] = list(new.prompt_token_ids)
-        sampled = {}
+        result = ModelRunnerOutput({})
         for s in output.scheduled:
+            table = [] if s.resets_block_table else self.tables[s.request_id]
+            self.tables[s.request_id] = table + s.new_block_ids
             tokens = self.tokens[s.request_id]
+            inputs = tokens + s.draft_token_ids
             self.num_computed += s.num_scheduled_tokens
             for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens):
-                self.slots[self.slot(s.block_table, pos)] = (pos, tuple(tokens[: pos + 1]))
+                self.slots[self.slot(s.request_id, pos)] = (pos, tuple(inputs[: pos + 1]))
             if s.sample:
-                end = s.num_computed_tokens + s.num_scheduled_tokens
+                end = s.num_computed_tokens + s.num_scheduled_tokens - len(s.draft_token_ids)
                 assert end == len(tokens), "sampling before the whole history is computed"
                 for pos in range(end):
-                    assert self.slots[self.slot(s.block_table, pos)] == (pos, tuple(tokens[: pos + 1])), (
+                    assert self.slots[self.slot(s.request_id, pos)] == (pos, tuple(tokens[: pos + 1])), (
                         f"{s.request_id}: KV of position {pos} is wrong")
-                token = (sum(tokens) * 31 + len(tokens)) % 997 + 1
-                tokens.append(token)
-                sampled[s.request_id] = token
-        return ModelRunnerOutput(sampled)
+                accepted = self.verify(tokens, s.draft_token_ids)
+                tokens.extend(accepted)
+                result.sampled_token_ids[s.request_id] = accepted
+                if self.speculate:
+                    result.draft_token_ids[s.request_id] = self.propose(tokens)
+        return result
 
-    def slot(self, table: list[int], pos: int) -> int:
+    def verify(self, tokens: list[int], drafts: list[int]) -> list[int]:
+        accepted = []
+        for draft in drafts:
+            if draft != fake_model(tokens + accepted):
+                break
+            accepted.append(draft)
+        self.num_drafted += len(drafts)
+        self.num_accepted += len(accepted)
+        return accepted + [fake_model(tokens + accepted)]
+
+    def propose(self, tokens: list[int]) -> list[int]:
+        drafts: list[int] = []
+        for _ in range(self.rng.randint(0, 4)):
+            right = fake_model(tokens + drafts)
+            drafts.append(right if self.rng.random() < self.draft_accuracy else right % 997 + 1)
+        return drafts
+
+    def slot(self, request_id: str, pos: int) -> int:
+        table = self.tables[request_id]
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
@@ -256,12 +297,12 @@ def test_stop_token_and_eos_finish_with_stop():
     scheduler.add_request(request)
     output = scheduler.schedule()
     runner_output = runner.execute(output)
-    runner_output.sampled_token_ids["r"] = EOS  # EOS before min_tokens: ignored
+    runner_output.sampled_token_ids["r"] = [EOS]  # EOS before min_tokens: ignored
     scheduler.update_from_output(output, runner_output)
     assert not request.is_finished
     output = scheduler.schedule()
     runner_output = runner.execute(output)
-    runner_output.sampled_token_ids["r"] = EOS
+    runner_output.sampled_token_ids["r"] = [EOS]
     scheduler.update_from_output(output, runner_output)
     assert request.status == RequestStatus.FINISHED_STOPPED
     assert_pool_free(scheduler)

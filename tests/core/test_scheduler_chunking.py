@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from chunkserve.core.chunking import ChunkSchedule
+from chunkserve.config.scheduler import ChunkSchedule
 from chunkserve.core.step_predictor import StepShape, StepTimePredictor
 from tests.core.test_scheduler import BLOCK, FakeRunner, make_request, make_scheduler, run
 

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from chunkserve.core.scheduler_output import ScheduledRequest
+from chunkserve.core.sched.output import ScheduledRequest
 from chunkserve.core.step_predictor import SlowdownMargin, StepShape, StepTimePredictor, chunk_attention
 
 
@@ -29,7 +29,7 @@ def random_shape(rng: random.Random, prefill: bool) -> StepShape:
 
 
 def test_shape_counts_rows_and_attention_pairs():
-    scheduled = [ScheduledRequest("d", 99, 1, [], True, True), ScheduledRequest("p", 32, 16, [], False, False)]
+    scheduled = [ScheduledRequest("d", 99, 1, [], False, True, True), ScheduledRequest("p", 32, 16, [], False, False, False)]
     shape = StepShape.of(scheduled)
     assert shape == StepShape(prefill_rows=16, decode_rows=1, prefill_attention=16 * 32 + 16 * 17 // 2,
                               decode_attention=100)

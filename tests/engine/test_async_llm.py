@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import time
+import threading
 
 import pytest
 
@@ -23,7 +23,7 @@ def async_llm(default_llm):
     yield engine
     engine.shutdown()
     assert not engine.is_running
-    kv = default_llm.engine.scheduler.kv
+    kv = default_llm.engine.engine_core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
 
 
@@ -64,20 +64,24 @@ def test_overload_is_refused(default_llm):
 
 
 def test_leaving_a_stream_early_aborts_the_request(async_llm, default_llm):
+    aborted = threading.Event()  # set by the update that reports the abort
+    async_llm.observers.append(
+        lambda record, outputs, stats: any(o.request_id == "long" and o.finished for o in outputs) and aborted.set())
+
     async def run():
         stream = await async_llm.add_request("long", "Tell me a story", SamplingParams(max_tokens=500))
         async for output in stream:
             if len(output.outputs[0].token_ids) == 3:
                 break
-        await asyncio.sleep(0.5)  # the abort command runs at the next step boundary
 
     asyncio.run(run())
+    assert aborted.wait(30)
     assert default_llm.engine.get_stats().num_running == 0
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(async_llm, default_llm, monkeypatch):
-    runner = default_llm.engine.runner
-    real_execute = runner.execute
+    executor = default_llm.engine.engine_core.executor
+    real_execute = executor.execute_model
     calls = []
 
     def execute_failing_once(output):
@@ -86,7 +90,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(async_ll
             raise RuntimeError("injected fault")
         return real_execute(output)
 
-    monkeypatch.setattr(runner, "execute", execute_failing_once)
+    monkeypatch.setattr(executor, "execute_model", execute_failing_once)
 
     async def run():
         stream = await async_llm.add_request("victim", "Hello", GREEDY)
@@ -122,7 +126,14 @@ def test_engine_process_streams_the_offline_text_and_frees_every_block(process_l
     prompts = ["Hello there", "The capital of France is", "1, 2, 3,"]
     expected = [o.outputs[0] for o in default_llm.generate(prompts, GREEDY)]
     seen = []
-    process_llm.observers.append(lambda record, outputs, stats: seen.append((record, stats)))
+    idle = threading.Event()  # the observers run on the receiver thread, after the streams are fed
+
+    def observe(record, outputs, stats):
+        seen.append((record, stats))
+        if stats.num_running == stats.num_waiting == 0:
+            idle.set()
+
+    process_llm.observers.append(observe)
 
     async def run(prompt: str, index: int):
         stream = await process_llm.add_request(f"p{index}", prompt, GREEDY)
@@ -132,9 +143,7 @@ def test_engine_process_streams_the_offline_text_and_frees_every_block(process_l
         return await asyncio.gather(*(run(p, i) for i, p in enumerate(prompts)))
 
     results = asyncio.run(run_all())
-    deadline = time.monotonic() + 10  # the observers run on the receiver thread, after the streams are fed
-    while not (seen and seen[-1][1].num_running == 0) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert idle.wait(10)
     process_llm.observers.clear()
     for outputs, want in zip(results, expected):
         assert [o.finished for o in outputs] == [False] * 7 + [True]

@@ -62,7 +62,7 @@ def test_greedy_outputs_are_the_same_with_caching_on_and_off(uncached, engine_ar
         assert sum(r.num_preemptions for r in records) > 0, "the pool was not small enough to preempt"
     else:  # every prompt token is either found in the cache or computed, once
         assert sum(r.num_prefill_tokens for r in records) == sum(r.prefix_cache_queries for r in records) - hits
-    kv = llm.engine.scheduler.kv
+    kv = llm.engine.engine_core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from chunkserve.errors import ModelLoadError
-from chunkserve.model.loader import load_model, load_model_config, resolve_model
+from chunkserve.config.model import resolve_model
+from chunkserve.model.loader import load_model, load_model_config
 
 from tests.paged_runner import PagedRunner, reference_logits
 

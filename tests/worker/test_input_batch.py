@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from chunkserve.core.scheduler_output import ScheduledRequest
+from chunkserve.core.sched.output import ScheduledRequest
 from chunkserve.worker.input_batch import build_forward_batch, group_by_context
+from tests.paged_runner import tables_of
 
 BLOCK_SIZE = 4
 
 
 def decode(request_id: str, context_len: int) -> ScheduledRequest:
     blocks = list(range(100, 100 + -(-context_len // BLOCK_SIZE)))
-    return ScheduledRequest(request_id, context_len - 1, 1, blocks, True, True)
+    return ScheduledRequest(request_id, context_len - 1, 1, blocks, True, True, True)
+
 
 
 def test_decodes_are_grouped_so_padding_stays_under_half():
@@ -23,7 +25,7 @@ def test_decodes_are_grouped_so_padding_stays_under_half():
 def test_each_decode_group_reads_only_its_own_longest_context():
     singles = [decode("short", 6), decode("long", 2000), decode("short2", 8)]
     tokens = {s.request_id: list(range(s.num_computed_tokens + 1)) for s in singles}
-    batch = build_forward_batch(singles, tokens, BLOCK_SIZE)
+    batch = build_forward_batch(singles, tokens, tables_of(singles), BLOCK_SIZE)
     shapes = {tuple(g.rows.tolist()): tuple(g.key_slots.shape) for g in batch.attn.decode_groups}
     assert shapes == {(0, 2): (2, 8), (1,): (1, 2000)}
     short = next(g for g in batch.attn.decode_groups if g.rows.tolist() == [0, 2])

@@ -1,0 +1,142 @@
+"""The engine's configuration: one flat `EngineArgs` with vLLM's names, checked on creation.
+Each owner resolves the part it reads (`SchedulerConfig.from_engine_args` once the model's
+length limit is known); the command line builds it from flags (entrypoints/args.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from chunkserve.config.scheduler import (
+    DEFAULT_CHUNKED_BUDGET,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_SLO_BUDGET,
+    SCHEDULING_POLICIES,
+    ChunkSchedule,
+)
+from chunkserve.errors import InvalidRequestError
+
+DTYPES = ("float32", "bfloat16")
+OP_BACKENDS = ("auto", "cpp", "torch")
+
+
+def arg(default: Any, help: str, **extra: Any) -> Any:
+    """A dataclass field that is also a command-line flag, with its help text."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class EngineArgs:
+    """Every engine knob, with vLLM's names; each is also a command-line flag."""
+
+    model: str | None = arg(
+        None, "Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"
+    )
+    dtype: str = arg("float32", "weights and activations dtype", choices=DTYPES)
+    max_model_len: int | None = arg(
+        None, "longest prompt + output in tokens (default: the model's limit, capped by the KV pool)"
+    )
+    max_num_batched_tokens: int | None = arg(
+        None,
+        f"token budget of one engine step, decode + prefill tokens (default: {DEFAULT_CHUNKED_BUDGET} with "
+        f"chunked prefill, {DEFAULT_SLO_BUDGET} with --tbt-slo-ms, max_model_len without chunking)",
+    )
+    max_num_seqs: int | None = arg(
+        None, f"most requests running at once (default: {DEFAULT_MAX_NUM_SEQS}, at most the step budget)"
+    )
+    enable_chunked_prefill: bool = arg(
+        True, "cut long prompts into chunks; off = each prompt is prefilled whole in one step"
+    )
+    enable_mixed_batch: bool = arg(
+        True, "put prefill chunks and decodes in one forward; off = a step is all-prefill or all-decode"
+    )
+    long_prefill_token_threshold: int = arg(
+        0, "most prompt tokens one request may prefill in one step, and the prompt length above which a prompt "
+        "counts as long for --max-long-partial-prefills (0: no cap, no prompt is long)"
+    )
+    max_num_partial_prefills: int = arg(1, "most requests left with an unfinished prompt at the end of a step")
+    max_long_partial_prefills: int = arg(
+        1, "most long prompts (see --long-prefill-token-threshold) left unfinished at the end of a step; below "
+        "--max-num-partial-prefills, shorter prompts pass waiting long ones"
+    )
+    chunk_align: int | None = arg(
+        None, "a prompt chunk that does not finish its prompt is a multiple of this many tokens, and where "
+        "possible so is the step (decodes + chunks); a multiple of block_size (default: block_size)"
+    )
+    chunk_schedule: str | None = arg(
+        None, "Sarathi-Serve's decreasing chunks, 'high:low:stages:max_tokens': a step carrying a prompt's "
+        "chunk holds at most `high` tokens, stepping down to `low` over `stages` stages of max_tokens/stages "
+        "prompt tokens (e.g. 512:128:4:4096)"
+    )
+    tbt_slo_ms: float | None = arg(
+        None, "size each step by time instead of tokens: all decodes, then as many prompt tokens as keep the "
+        "step's predicted time (a model fitted online from the engine's own steps) under this many ms"
+    )
+    max_prefill_wait_ms: float = arg(
+        1000.0, "with --tbt-slo-ms: a prompt that got no tokens for this long gets one aligned chunk even if "
+        "the step then exceeds the SLO (decodes alone may already exceed it)"
+    )
+    ttft_slo_ms: float | None = arg(
+        None, "prompts whose first token can still come within this many ms of arrival get prompt tokens "
+        "first, earliest deadline first; prompts that can no longer make it follow"
+    )
+    block_size: int = arg(16, "tokens per KV cache block (page)")
+    kv_cache_memory_gb: float = arg(2.0, "memory for the KV cache pool, GiB")
+    num_kv_blocks: int | None = arg(None, "exact number of KV blocks (overrides --kv-cache-memory-gb)")
+    enable_prefix_caching: bool = arg(
+        True, "reuse the KV of full blocks shared with earlier requests (a SHA-256 hash chain over their tokens)"
+    )
+    scheduling_policy: str = arg("fcfs", "order of admission and preemption", choices=SCHEDULING_POLICIES)
+    op_backend: str = arg(
+        "auto", "cpp = C++ ops (built on first use): decode attention reading the paged KV in place, the "
+        "linear layers of small batches, fused norm/rotary/SiLU; torch = plain torch (the reference); auto = "
+        "cpp where it builds", choices=OP_BACKENDS
+    )
+    seed: int = arg(0, "seed of the sampler for requests that give none")
+
+    def __post_init__(self) -> None:
+        def fail(message: str) -> None:
+            raise InvalidRequestError(message)
+
+        if self.dtype not in DTYPES:
+            fail(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.op_backend not in OP_BACKENDS:
+            fail(f"op_backend must be one of {OP_BACKENDS}, got {self.op_backend!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            fail(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.block_size < 1:
+            fail(f"block_size must be positive, got {self.block_size}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
+            fail(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"block_size ({self.block_size}): chunks are whole blocks"
+            )
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            fail(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.long_prefill_token_threshold < 0:
+            fail("long_prefill_token_threshold must be non-negative")
+        if 0 < self.long_prefill_token_threshold < self.block_size:
+            fail(f"long_prefill_token_threshold must be 0 or at least block_size ({self.block_size})")
+        if self.max_num_partial_prefills < 1:
+            fail("max_num_partial_prefills must be at least 1")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            fail(
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be at least 1 and at most "
+                f"max_num_partial_prefills ({self.max_num_partial_prefills})"
+            )
+        if self.chunk_align is not None and (self.chunk_align < 1 or self.chunk_align % self.block_size):
+            fail(f"chunk_align must be a positive multiple of block_size ({self.block_size}), got {self.chunk_align}")
+        if self.chunk_schedule is not None:
+            ChunkSchedule.parse(self.chunk_schedule)
+        for name in ("tbt_slo_ms", "ttft_slo_ms"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                fail(f"{name} must be positive, got {value}")
+        if self.max_prefill_wait_ms < 0:
+            fail(f"max_prefill_wait_ms must be non-negative, got {self.max_prefill_wait_ms}")
+        if self.kv_cache_memory_gb <= 0:
+            fail("kv_cache_memory_gb must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            fail("num_kv_blocks must be positive")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            fail("max_model_len must be positive")

@@ -1,0 +1,171 @@
+"""Per-request block tables on top of the block pool, and the prefix cache.
+
+Token position p of a request lives in KV slot
+`block_table[p // block_size] * block_size + p % block_size`:
+
+    block_size = 4, block_table = [7, 2]
+    positions   0  1  2  3 | 4  5  6
+    slots      28 29 30 31 | 8  9 10
+
+Prefix caching (vLLM V1's scheme): a full block is named by a hash chain, SHA-256 over its
+parent block's hash and its own token ids, so equal hashes mean equal whole prefixes and
+a crafted prompt cannot collide with another user's prefix to read its KV. (Whether a
+prefix is cached does show, in `cached_tokens` and in TTFT: there is no per-tenant salt.) A new request
+takes the longest run of cached blocks that starts its tokens and computes the rest; blocks
+are registered in the cache as their last token's KV is computed (a chunked prompt's earlier
+chunks become reusable while it is still prefilling).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from chunkserve.core.kv.block_pool import BlockPool
+from chunkserve.core.request import Request
+
+ROOT_HASH = b""  # the parent of a request's first block
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """The hash of a full block: SHA-256 over its parent's hash and its token ids (int64)."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+class KVCacheManager:
+    """Owns every request's block table. The scheduler asks it for room before it
+    schedules tokens; the model runner only ever sees copies of the tables."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks)
+        self._block_tables: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}  # leading blocks of each table already in the cache
+        self._block_hashes: dict[str, list[bytes]] = {}  # of each request's full blocks, kept until it finishes
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._block_tables.get(request_id, [])
+
+    # ----- the prefix cache ------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest run of cached blocks that starts the request's tokens, and how many
+        tokens they hold. The last token is never covered, so at least one token is computed
+        and there are logits to sample from. ([], 0) when caching is off."""
+        if not self.enable_caching:
+            return [], 0
+        hashes = self._block_hashes_of(request, (request.num_tokens - 1) // self.block_size)
+        blocks = []
+        for block_hash in hashes:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks, len(blocks) * self.block_size
+
+    def cache_full_blocks(self, request: Request, num_verified_tokens: int) -> None:
+        """Register the request's full blocks among its first `num_verified_tokens` tokens,
+        whose KV is computed and final (never a draft token's, which may be rejected)."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_verified_tokens, request.num_tokens) // self.block_size
+        first = self._num_registered.get(request.request_id, 0)
+        if num_full <= first:
+            return
+        table = self._block_tables[request.request_id]
+        hashes = self._block_hashes_of(request, num_full)
+        for i in range(first, num_full):
+            self.pool.cache(table[i], hashes[i])
+        self._num_registered[request.request_id] = num_full
+
+    def block_hashes(self, request_id: str) -> list[bytes]:
+        """The hash chain of the request's full blocks computed so far."""
+        return list(self._block_hashes.get(request_id, []))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any request holds blocks."""
+        return self.pool.reset_cache()
+
+    def _block_hashes_of(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The hashes of the request's first `num_blocks` full blocks, extending the ones
+        already computed (its tokens never change, only grow)."""
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        if len(hashes) < num_blocks:
+            size = self.block_size
+            end = num_blocks * size
+            tokens = request.prompt_token_ids if end <= request.num_prompt_tokens else request.all_token_ids
+            parent = hashes[-1] if hashes else ROOT_HASH
+            for i in range(len(hashes), num_blocks):
+                parent = hash_block(parent, tokens[i * size : (i + 1) * size])
+                hashes.append(parent)
+        return hashes[:num_blocks]
+
+    # ----- block tables ----------------------------------------------------------------
+
+    def num_available_blocks(self, computed_blocks: Sequence[int] = ()) -> int:
+        """Blocks a request not yet admitted could hold in all: the cached blocks it would
+        take plus every free block that is not one of those."""
+        free_among_computed = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
+        return len(computed_blocks) + self.pool.num_free_blocks - free_among_computed
+
+    def allocate_slots(self, request_id: str, num_total_tokens: int,
+                       computed_blocks: Sequence[int] = ()) -> list[int] | None:
+        """Make room for the request's first `num_total_tokens` tokens. A request's first
+        allocation starts its table with `computed_blocks` (its prefix-cache hit).
+
+        Returns the newly allocated block ids (possibly none), or None when the pool is
+        short; then nothing is taken and the caller decides whom to preempt.
+        """
+        table = self._block_tables.get(request_id)
+        if table is None:
+            needed = self.num_blocks_for(num_total_tokens) - len(computed_blocks)
+            if needed > self.num_available_blocks(computed_blocks) - len(computed_blocks):
+                return None
+            self.pool.touch(list(computed_blocks))  # first, so the allocation cannot evict them
+            new_blocks = self.pool.allocate(needed)
+            assert new_blocks is not None
+            self._block_tables[request_id] = [*computed_blocks, *new_blocks]
+            self._num_registered[request_id] = len(computed_blocks)
+            return new_blocks
+        needed = self.num_blocks_for(num_total_tokens) - len(table)
+        if needed <= 0:
+            return []
+        new_blocks = self.pool.allocate(needed)
+        if new_blocks is None:
+            return None
+        table.extend(new_blocks)
+        return new_blocks
+
+    def free(self, request_id: str) -> None:
+        """Drop the request's hold on its blocks; a no-op if it holds none. The last block
+        is released first, so under pressure a prefix's tail is evicted before its head."""
+        table = self._block_tables.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
+        if table:
+            self.pool.free(table[::-1])
+
+    def remove_request(self, request_id: str) -> None:
+        """The request finished: free its blocks and forget its hashes."""
+        self.free(request_id)
+        self._block_hashes.pop(request_id, None)

@@ -1,0 +1,162 @@
+"""The messages between the scheduler and the model runner. Plain data, no torch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from chunkserve.sampling_params import SamplingParams
+
+
+class ForwardMode(str, enum.Enum):
+    """What a step computed: only prompt tokens, only decodes, or both in one forward."""
+
+    EXTEND = "EXTEND"
+    DECODE = "DECODE"
+    MIXED = "MIXED"
+    IDLE = "IDLE"
+
+
+@dataclass
+class NewRequestData:
+    """Sent the first time a request is scheduled. The worker keeps the request's state
+    (token history, block table, sampler generator) until it finishes: a preempted request
+    keeps it, only its KV is dropped, so a seeded sample stream continues where it was."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step. Its block table travels as a diff: the blocks added
+    since the worker last saw it (all of them the first time, or after a preemption, when
+    `resets_block_table` is set)."""
+
+    request_id: str
+    num_computed_tokens: int  # tokens already in the KV cache: the first position computed now
+    num_scheduled_tokens: int  # tokens computed in this step (a decode's drafts included)
+    new_block_ids: list[int]  # appended to the worker's block table of the request
+    resets_block_table: bool  # the table starts anew with `new_block_ids` (new or resumed request)
+    sample: bool  # True when this step completes all known tokens, so its last row(s) are sampled
+    is_decode: bool  # the request's prompt is done: its last sampled token (and any drafts)
+    draft_token_ids: list[int] = field(default_factory=list)  # drafts after the last token, to verify
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows whose logits are sampled: the last, and one per draft before it."""
+        return 1 + len(self.draft_token_ids) if self.sample else 0
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner needs for one step. `scheduled` lists decodes first."""
+
+    scheduled: list[ScheduledRequest]
+    new_requests: list[NewRequestData]
+    finished_request_ids: set[str] = field(default_factory=set)  # runner drops their state
+    preempted_request_ids: set[str] = field(default_factory=set)
+    prefix_cache_queries: int = 0  # prompt tokens of the requests admitted for the first time in this step
+    prefix_cache_hits: int = 0  # of those, found in the prefix cache (not computed)
+    predicted_duration_s: float | None = None  # by the step-time model, None before it has data
+    prefill_wait_guard: bool = False  # a prompt got tokens past the TBT SLO: it had waited too long
+    kv_connector_metadata: object = None  # what the KV connector's worker side loads or saves this step
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.scheduled if r.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_scheduled_tokens - self.num_decode_tokens
+
+    @property
+    def forward_mode(self) -> ForwardMode:
+        prefill, decode = self.num_prefill_tokens > 0, self.num_decode_tokens > 0
+        if prefill and decode:
+            return ForwardMode.MIXED
+        if prefill:
+            return ForwardMode.EXTEND
+        return ForwardMode.DECODE if decode else ForwardMode.IDLE
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probability of a sampled token and the `num_top` most likely alternatives,
+    from the model's raw distribution (before penalties, temperature and filters)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step produced, per request whose `sample` flag was set: the tokens it accepts
+    (its sampled token, after any accepted drafts: 1 + accepted drafts, in order), their
+    logprobs for the requests that asked for them, and draft tokens proposed for its next
+    step. `finished_sending` / `finished_recving`: requests whose KV the connector has
+    finished sending (their blocks may be freed) or receiving (they may run)."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+
+
+class EngineCoreOutput(NamedTuple):
+    """What one request got from one step, as the engine core reports it: only what is new,
+    so a step's message does not grow with the requests' histories. A NamedTuple pickles as
+    a plain tuple (its class once per message)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for logprobs
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache at first admission
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # wall clock of the step that first scheduled it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def hit_rate(hits: int, queries: int) -> float:
+    """hits / queries, 0.0 before any query."""
+    return hits / queries if queries else 0.0
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's queues and KV pool at one moment (what /metrics shows as gauges)."""
+
+    num_running: int
+    num_waiting: int
+    num_preempted_waiting: int  # waiting to be recomputed after a preemption
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions_total: int
+    prefix_cache_queries_total: int  # prompt tokens of admitted requests (first admissions, not recomputes)
+    prefix_cache_hits_total: int  # of those, found there
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return hit_rate(self.prefix_cache_hits_total, self.prefix_cache_queries_total)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks

@@ -1,0 +1,414 @@
+"""The stall-free chunked-prefill scheduler (vLLM V1's data model, Sarathi-Serve's order).
+
+NOTE: there is no prefill phase and no decode phase. Every request carries
+`num_computed_tokens` and `num_tokens`; each step hands out tokens so the first catches up
+with the second, under one token budget (`max_num_batched_tokens`). The order is
+Sarathi-Serve's stall-free one:
+
+  1. every running request that is decoding gets its token (plus its draft tokens, if
+     speculative decoding proposed some and the budget allows),
+  2. running requests in the middle of a chunked prompt continue,
+  3. waiting requests are admitted while budget, sequence slots and KV blocks last.
+
+How long a prompt chunk is belongs to the chunk policy (chunking.py), who goes first to the
+admission policy (admission.py), whom to preempt to the preemption policy (preemption.py).
+A prompt chunk that does not finish its prompt ends on a block boundary, so chunks are
+whole pages. With prefix caching, an admitted request starts after the longest cached run of
+blocks that begins its tokens (and after what the KV connector can supply), and every block
+becomes cacheable once its tokens are computed and verified.
+
+When the pool runs dry while growing a running request, a running request is preempted:
+its blocks are released, its computed count is reset and it waits at the head of the queue;
+its output tokens are kept and recomputed (from its own blocks, if the prefix cache still
+holds them).
+
+After the step, `update_from_output` advances each request by what was computed, rolls back
+the drafts the model rejected, appends the accepted tokens and applies the token-level stops,
+and reports per request only what is new (`EngineCoreOutput`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from chunkserve.config.scheduler import SchedulerConfig
+from chunkserve.core.kv.kv_cache_manager import KVCacheManager
+from chunkserve.core.kv_connector import KVConnectorScheduler, NoOpConnector
+from chunkserve.core.request import Request, RequestStatus
+from chunkserve.core.sched.admission import Admission, AdmissionPolicy
+from chunkserve.core.sched.chunking import Chunk, ChunkPolicy
+from chunkserve.core.sched.output import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from chunkserve.core.sched.preemption import pick_victim
+from chunkserve.core.step_predictor import StepShape, StepTimePredictor
+from chunkserve.core.stop import check_stop
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, predictor: StepTimePredictor | None = None,
+                 clock: Callable[[], float] = time.time, kv_connector: KVConnectorScheduler | None = None) -> None:
+        """`predictor` is the step-time model the TBT and TTFT SLOs consult (the engine feeds
+        it); `clock` is the wall clock that request arrival times use."""
+        self.config = config
+        self.predictor = predictor
+        self._clock = clock
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.connector = kv_connector or NoOpConnector()
+        self.chunking = ChunkPolicy(config, predictor)
+        self.admission = AdmissionPolicy(config, predictor)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self._admission_order: dict[str, int] = {}
+        self._next_admission = 0
+        self._blocks_sent: dict[str, int] = {}  # blocks of each request's table the worker has
+        self._known_to_worker: set[str] = set()
+        self._finished_since_last_step: set[str] = set()
+        self._remote_kv_tokens: dict[str, int] = {}  # computed tokens once the connector's load lands
+        self._sending: set[str] = set()  # finished, blocks held until the connector has sent them
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens of requests admitted for the first time (cumulative)
+        self.prefix_cache_hits = 0  # of those, found in the prefix cache
+
+    # ----- queue management ---------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
+        self.requests[request.request_id] = request
+        self.chunking.track(request.request_id, request.arrival_time)
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort) requests wherever they are; frees their blocks at once."""
+        assert status.is_finished, f"{status} is not a finished status"
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preempted_waiting=sum(r.status == RequestStatus.PREEMPTED for r in self.waiting),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_blocks=self.kv.num_blocks,
+            num_preemptions_total=self.num_preemptions,
+            prefix_cache_queries_total=self.prefix_cache_queries,
+            prefix_cache_hits_total=self.prefix_cache_hits,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any request is unfinished."""
+        return not self.has_unfinished_requests() and not self._sending and self.kv.reset_prefix_cache()
+
+    # ----- one step -----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        step = StepBuilder(self.config.max_num_batched_tokens, self._clock())
+        if self.config.enable_mixed_batch:
+            self._schedule_decodes(step)
+            self._schedule_prefills(step)
+        else:
+            self._schedule_prefills(step)
+            if not step.scheduled:
+                self._schedule_decodes(step)
+
+        new_requests = [self._new_request_data(self.requests[s.request_id])
+                        for s in step.scheduled if s.request_id not in self._known_to_worker]
+        self._known_to_worker.update(r.request_id for r in new_requests)
+        self.prefix_cache_queries += step.prefix_cache_queries
+        self.prefix_cache_hits += step.prefix_cache_hits
+        finished, self._finished_since_last_step = self._finished_since_last_step, set()
+        output = SchedulerOutput(
+            scheduled=step.scheduled,
+            new_requests=new_requests,
+            finished_request_ids=finished,
+            preempted_request_ids=step.preempted,
+            prefix_cache_queries=step.prefix_cache_queries,
+            prefix_cache_hits=step.prefix_cache_hits,
+            predicted_duration_s=self.predictor.predict(step.shape) if self.predictor else None,
+            prefill_wait_guard=step.past_slo,
+        )
+        output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        return output
+
+    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance the counters by what was computed and verified, append accepted tokens,
+        apply the token-level stops. Returns what is new for every request that got tokens."""
+        self._connector_progress(runner_output)
+        outputs = []
+        for scheduled in output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.is_finished:
+                continue
+            accepted = runner_output.sampled_token_ids.get(scheduled.request_id, [])
+            rejected = len(scheduled.draft_token_ids) - (len(accepted) - 1) if accepted else 0
+            assert rejected >= 0, f"{scheduled.request_id}: more tokens accepted than drafted"
+            request.num_computed_tokens += scheduled.num_scheduled_tokens - rejected
+            request.spec_token_ids = []
+            if not accepted:
+                self.kv.cache_full_blocks(request, request.num_computed_tokens)
+                continue
+            status = None
+            for count, token_id in enumerate(accepted, 1):
+                request.output_token_ids.append(token_id)
+                status = check_stop(request, self.config.max_model_len)
+                if status is not None:
+                    break
+            # A stop inside an accepted run drops the tokens after it; none of them is computed.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            else:
+                request.spec_token_ids = list(runner_output.draft_token_ids.get(request.request_id, ()))
+            logprobs = runner_output.logprobs.get(request.request_id)
+            outputs.append(self.output_of(request, accepted[:count], None if logprobs is None else logprobs[:count]))
+        return outputs
+
+    @staticmethod
+    def output_of(request: Request, new_token_ids: list[int], new_logprobs=None) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request.request_id, new_token_ids, new_logprobs, request.status.finish_reason, request.stop_reason,
+            request.num_cached_tokens or 0, request.num_preemptions, request.first_scheduled_time,
+        )
+
+    # ----- the three phases -----------------------------------------------------------
+
+    def _schedule_decodes(self, step: StepBuilder) -> None:
+        for request in list(self.running):
+            if request.is_decoding and not step.is_taken(request.request_id):
+                if step.budget < 1:
+                    break
+                drafts = self._drafts_that_fit(request, step.budget)
+                self._schedule_running(request, Chunk(1 + len(drafts)), step, drafts)
+
+    def _schedule_prefills(self, step: StepBuilder) -> None:
+        """Prompts in progress, then waiting ones, in the admission policy's order."""
+        in_progress = [r for r in self.running if not r.is_decoding and not step.is_taken(r.request_id)]
+        waiting = (r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
+        admitting = True
+        for request in self.admission.order(in_progress, waiting, step.now):
+            if step.is_taken(request.request_id):  # preempted for an earlier one: it waits
+                continue
+            if request.status == RequestStatus.RUNNING:
+                chunk = self.chunking.chunk(request, request.num_computed_tokens, step.budget, step)
+                if chunk.num_tokens > 0:
+                    self._schedule_running(request, chunk, step)
+            elif admitting:
+                admitting = self._admit(request, step) != Admission.STOP
+
+    def _admit(self, request: Request, step: StepBuilder) -> Admission:
+        """Admit a waiting request if it fits."""
+        if len(self.running) >= self.config.max_num_seqs or step.budget < 1:
+            return Admission.STOP
+        cached_blocks, num_cached = self.kv.get_computed_blocks(request)
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_cached)
+        if num_external and load_async:
+            return self._await_remote_kv(request, cached_blocks, num_cached + num_external)
+        start = num_cached + num_external
+        kv_room = self.kv.num_available_blocks(cached_blocks) * self.config.block_size
+        chunk = self.chunking.chunk(request, start, kv_room - start, step)
+        if chunk.num_tokens == 0:
+            return Admission.STOP
+        if start + chunk.num_tokens < request.num_tokens and not self.admission.may_leave_partial(
+                request, self.running, step):
+            return Admission.SKIPPED  # held back by the partial-prefill limits: shorter prompts behind may pass
+        if self.kv.allocate_slots(request.request_id, start + chunk.num_tokens, cached_blocks) is None:
+            return Admission.STOP  # no preemption to admit new work: wait for blocks to come back
+        if num_external:
+            self.connector.update_state_after_alloc(request, self.kv.block_table(request.request_id), num_external)
+        request.num_computed_tokens = start
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = start
+        if request.num_preemptions == 0:  # a recompute finding its own blocks is not prefix reuse
+            step.count_prefix_query(request.num_tokens, start)
+        self.waiting.remove(request)
+        self._start_running(request)
+        self._add_to_step(request, chunk, step)
+        return Admission.ADMITTED
+
+    def _await_remote_kv(self, request: Request, cached_blocks: list[int], num_tokens: int) -> Admission:
+        """The connector loads the request's KV asynchronously: hold its blocks while it
+        waits, out of the step; it runs once the worker reports the load finished."""
+        if self.kv.allocate_slots(request.request_id, num_tokens, cached_blocks) is None:
+            return Admission.STOP
+        self.connector.update_state_after_alloc(
+            request, self.kv.block_table(request.request_id), num_tokens - len(cached_blocks) * self.config.block_size)
+        request.num_computed_tokens = len(cached_blocks) * self.config.block_size
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._remote_kv_tokens[request.request_id] = num_tokens
+        return Admission.SKIPPED
+
+    def _connector_progress(self, runner_output: ModelRunnerOutput) -> None:
+        for request_id in runner_output.finished_recving:
+            request = self.requests.get(request_id)
+            num_tokens = self._remote_kv_tokens.pop(request_id, None)
+            if request is None or num_tokens is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            request.num_computed_tokens = min(num_tokens, request.num_tokens - 1)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = request.num_computed_tokens
+            self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            self.waiting.remove(request)
+            self._start_running(request)
+        for request_id in runner_output.finished_sending:
+            if request_id in self._sending:
+                self._sending.discard(request_id)
+                self.kv.remove_request(request_id)
+
+    # ----- helpers --------------------------------------------------------------------
+
+    def _drafts_that_fit(self, request: Request, budget: int) -> list[int]:
+        """The request's drafts, trimmed to the budget left beside its own token, to the
+        output it may still produce and to the model's length limit."""
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.config.max_model_len - request.num_tokens)
+        return request.spec_token_ids[: max(room, 0)]
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._admission_order[request.request_id] = self._next_admission
+        self._next_admission += 1
+
+    def _schedule_running(self, request: Request, chunk: Chunk, step: StepBuilder,
+                          drafts: list[int] | None = None) -> None:
+        """Schedule a running request, preempting others (or, as a last resort, itself)
+        until its blocks fit."""
+        total = request.num_computed_tokens + chunk.num_tokens
+        while self.kv.allocate_slots(request.request_id, total) is None:
+            candidates = [r for r in self.running if not step.is_taken(r.request_id)]
+            victim = pick_victim(candidates, self.config.scheduling_policy, self._admission_order)
+            self._preempt(victim, step)
+            if victim is request:
+                return
+        self._add_to_step(request, chunk, step, drafts or [])
+
+    def _add_to_step(self, request: Request, chunk: Chunk, step: StepBuilder, drafts: list[int] = ()) -> None:
+        request_id = request.request_id
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = step.now
+        if not request.is_decoding:
+            self.chunking.track(request_id, step.now)
+            step.past_slo |= chunk.past_slo
+        table = self.kv.block_table(request_id)
+        sent = self._blocks_sent.get(request_id)
+        self._blocks_sent[request_id] = len(table)
+        step.add(request, chunk.num_tokens, table[sent or 0:], sent is None, list(drafts))
+
+    def _preempt(self, request: Request, step: StepBuilder) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        self._blocks_sent.pop(request.request_id, None)
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.chunking.track(request.request_id, step.now)
+        self.num_preemptions += 1
+        step.preempted.add(request.request_id)
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request_id = request.request_id
+        request.status = status
+        delay_free, _ = self.connector.request_finished(request, self.kv.block_table(request_id))
+        if delay_free:
+            self._sending.add(request_id)
+        else:
+            self.kv.remove_request(request_id)
+        self._admission_order.pop(request_id, None)
+        self._blocks_sent.pop(request_id, None)
+        self._remote_kv_tokens.pop(request_id, None)
+        self.chunking.forget(request_id)
+        del self.requests[request_id]
+        if request_id in self._known_to_worker:
+            self._known_to_worker.discard(request_id)
+            self._finished_since_last_step.add(request_id)
+
+    @staticmethod
+    def _new_request_data(request: Request) -> NewRequestData:
+        return NewRequestData(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+        )
+
+
+class StepBuilder:
+    """The step being assembled: the remaining token budget and who got what."""
+
+    def __init__(self, budget: int, now: float) -> None:
+        self.budget = budget
+        self.now = now
+        self.num_rows = 0
+        self.shape = StepShape()
+        self.past_slo = False  # the starvation guard gave a prompt tokens past the TBT SLO
+        self.scheduled: list[ScheduledRequest] = []
+        self.preempted: set[str] = set()
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._num_tokens: dict[str, int] = {}
+
+    def count_prefix_query(self, num_tokens: int, num_cached: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_cached
+
+    def is_taken(self, request_id: str) -> bool:
+        """Already scheduled or preempted in this step."""
+        return request_id in self._num_tokens or request_id in self.preempted
+
+    def num_tokens_of(self, request_id: str) -> int:
+        return self._num_tokens.get(request_id, 0)
+
+    def add(self, request: Request, num_tokens: int, new_block_ids: list[int], resets_block_table: bool,
+            drafts: list[int]) -> None:
+        assert 0 < num_tokens <= self.budget, f"{num_tokens} tokens exceed the step budget {self.budget}"
+        self.budget -= num_tokens
+        self.num_rows += num_tokens
+        is_decode = request.is_decoding
+        self.shape = self.shape.plus(request.num_computed_tokens, num_tokens, is_decode)
+        self._num_tokens[request.request_id] = num_tokens
+        self.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                num_computed_tokens=request.num_computed_tokens,
+                num_scheduled_tokens=num_tokens,
+                new_block_ids=new_block_ids,
+                resets_block_table=resets_block_table,
+                sample=request.num_computed_tokens + num_tokens - len(drafts) == request.num_tokens,
+                is_decode=is_decode,
+                draft_token_ids=drafts,
+            )
+        )

@@ -1,0 +1,88 @@
+"""The frontend's side of a new request: text to token ids, parameters resolved and checked
+against the engine's limits, before anything reaches the engine core."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+from chunkserve.config.model import ModelSource
+from chunkserve.engine.messages import EngineCoreRequest, EngineInfo
+from chunkserve.errors import InvalidRequestError
+from chunkserve.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, source: ModelSource, info: EngineInfo) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.eos_token_id, self.extra_stop_ids = eos_ids(tokenizer, source)
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                priority: int = 0, arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
+        """The request for the core and the prompt's text (None for a token-id prompt).
+        Raises InvalidRequestError naming what is wrong."""
+        text, token_ids = self._tokenize(prompt)
+        params = self._resolve_params(params or SamplingParams(), len(token_ids))
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+        )
+        return request, text
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", "prompt")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+        if not prompt:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        vocab = self.info.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})", "prompt")
+        return None, list(prompt)
+
+    def _resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        limit = self.info.max_model_len
+        if num_prompt_tokens >= limit:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt_tokens} tokens, but max_model_len is {limit} "
+                "(prompt and output must fit, with at least one output token)", "prompt"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({limit}, which the KV pool can hold)",
+                "max_tokens",
+            )
+        vocab = self.info.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
+        extra_stops = [] if params.ignore_eos else [t for t in self.extra_stop_ids if t not in params.stop_token_ids]
+        return dataclasses.replace(params, max_tokens=max_tokens, stop_token_ids=params.stop_token_ids + extra_stops)
+
+
+def eos_ids(tokenizer: Any, source: ModelSource) -> tuple[int | None, list[int]]:
+    """The tokenizer's EOS plus any other EOS ids of the model's generation config
+    (Llama 3 instruct ends turns with a second one)."""
+    eos = tokenizer.eos_token_id
+    extra: list[int] = []
+    path = os.path.join(source.path, "generation_config.json")
+    if source.kind == "hf" and os.path.isfile(path):
+        with open(path) as f:
+            configured: Any = json.load(f).get("eos_token_id")
+        ids = configured if isinstance(configured, list) else [configured] if configured is not None else []
+        eos = eos if eos is not None else (ids[0] if ids else None)
+        extra = [i for i in ids if i != eos]
+    return eos, extra

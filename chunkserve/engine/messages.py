@@ -1,0 +1,109 @@
+"""What crosses between the frontend (tokenizer, detokenizer, API) and the engine core:
+token ids only, and per step only what is new.
+
+Commands go to the core between steps, in the order they were sent; events come back. All
+are plain picklable data, so the same loop runs on a thread beside the caller or in a
+process of its own (`chunkserve serve`). `EngineCoreOutputs` is the per-step event: one
+`EngineCoreOutput` (core/sched/output.py) per request that got tokens or finished, whose size
+does not grow with the request's history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chunkserve.core.sched.output import EngineCoreOutput, SchedulerStats
+from chunkserve.engine.outputs import StepRecord
+from chunkserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request as the core takes it: tokenized, its parameters resolved (max_tokens set,
+    the model's extra EOS ids among stop_token_ids) by the input processor."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float  # wall clock
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the frontend needs to know of the engine core it cannot see."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+
+# ----- commands (frontend -> core) ----------------------------------------------------------
+
+@dataclass
+class AddRequest:
+    request: EngineCoreRequest
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str] | None  # None: every request in flight
+
+
+@dataclass
+class ResetPrefixCache:
+    ticket: int  # echoed in the PrefixCacheReset event that answers it
+
+
+@dataclass
+class Shutdown:
+    """Abort whatever is in flight, answer `Stopped`, end the loop."""
+
+
+Command = AddRequest | AbortRequests | ResetPrefixCache | Shutdown
+
+
+# ----- events (core -> frontend) ------------------------------------------------------------
+
+@dataclass
+class Ready:
+    info: EngineInfo
+
+
+@dataclass
+class Accepted:
+    request_id: str
+    error: BaseException | None  # None: queued; else why it was refused
+
+
+@dataclass
+class EngineCoreOutputs:
+    """A step ran (`record` set) or requests were aborted (`record` None): what each request
+    got, stamped with the wall-clock time the step ended. `step_error` set: the step failed,
+    and `outputs` are the requests it aborted because of that."""
+
+    outputs: list[EngineCoreOutput]
+    timestamp: float
+    record: StepRecord | None
+    stats: SchedulerStats
+    step_error: str | None = None
+
+
+@dataclass
+class PrefixCacheReset:
+    ticket: int
+    reset: bool
+
+
+@dataclass
+class EngineDied:
+    error: BaseException
+
+
+@dataclass
+class Stopped:
+    pass
+
+
+Event = Ready | Accepted | EngineCoreOutputs | PrefixCacheReset | EngineDied | Stopped

@@ -1,0 +1,1 @@
+"""What users touch: the `chunkserve` command line, the HTTP server and the offline `LLM`."""

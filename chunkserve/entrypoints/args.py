@@ -1,0 +1,64 @@
+"""The command line's arguments: `EngineArgs` (config/engine.py) and the server's own
+`ServerArgs`, each field a flag (`--max-num-batched-tokens`, `--no-enable-prefix-caching`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from chunkserve.config.engine import arg
+from chunkserve.errors import InvalidRequestError
+
+
+def add_cli_args(args_class: type, parser: argparse.ArgumentParser) -> None:
+    """One flag per field of the dataclass `args_class`, with the help text of its `arg` metadata.
+    Reads the annotations as strings (every config module uses `from __future__ import annotations`)."""
+    for f in dataclasses.fields(args_class):
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"], "dest": f.name}
+        if f.type == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument(flag, **kwargs)
+
+
+def from_cli_args(args_class: type, namespace: argparse.Namespace) -> Any:
+    return args_class(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(args_class)})
+
+
+@dataclass
+class ServerArgs:
+    """The HTTP server's own flags (vLLM's names where vLLM has them)."""
+
+    host: str = arg("127.0.0.1", "address to listen on")
+    port: int = arg(8000, "port to listen on")
+    served_model_name: str | None = arg(
+        None, "the model name the API answers to (default: the model file or folder name)"
+    )
+    api_key: str | None = arg(
+        None, "require 'Authorization: Bearer KEY' on every endpoint but /health (default: $CHUNKSERVE_API_KEY)"
+    )
+    max_waiting_requests: int | None = arg(None, "answer 503 to new requests while this many are waiting")
+    max_request_body_bytes: int = arg(16 * 1024 * 1024, "larger request bodies get 413")
+    shutdown_timeout: float = arg(
+        10.0, "on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted"
+    )
+    log_level: str = arg("info", "server log level", choices=("debug", "info", "warning", "error"))
+    trace_steps: str | None = arg(None, "append one JSON line per engine step to this file")
+    disable_frontend_multiprocessing: bool = arg(
+        False, "run the engine on a thread of the server's process instead of a process of its own "
+               "(slower: the server's Python work then stalls the engine's steps on the GIL)"
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise InvalidRequestError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise InvalidRequestError("max_waiting_requests must be non-negative")
+        if self.max_request_body_bytes < 1:
+            raise InvalidRequestError("max_request_body_bytes must be positive")

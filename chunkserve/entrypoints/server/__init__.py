@@ -1,0 +1,1 @@
+"""The OpenAI- and SGLang-compatible HTTP server over `AsyncLLM`."""

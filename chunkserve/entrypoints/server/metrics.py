@@ -1,0 +1,140 @@
+"""Prometheus metrics, named after vLLM's with a `chunkserve:` prefix.
+
+`EngineMetrics.observe` is an AsyncLLM step observer: it runs on the thread that receives
+the engine's events after every step (prometheus_client's metrics are thread-safe) and reads only the step record,
+the outputs and the scheduler's stats.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from chunkserve.core.sched.output import SchedulerStats
+from chunkserve.engine.outputs import RequestOutput, StepRecord
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FORWARD_MODES = ("EXTEND", "MIXED", "DECODE")
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        names = list(labels)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"chunkserve:{name}", doc, names + list(extra), registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"chunkserve:{name}", doc, names, registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"chunkserve:{name}", doc, names, buckets=buckets, registry=self.registry).labels(**labels)
+
+        self._labels = labels
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running set")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for admission")
+        self.num_requests_swapped = gauge(
+            "num_requests_swapped", "Preempted requests waiting to be recomputed (vLLM's name)")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)")
+        self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "KV cache blocks in the free pool")
+        self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "KV cache blocks in the pool")
+        self.num_preemptions = counter("num_preemptions", "Preemptions (by recompute)").labels(**labels)
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens of new requests looked up in the prefix cache (recomputes after "
+            "a preemption not counted)").labels(**labels)
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)").labels(**labels)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token").labels(
+            **labels)
+        self.generation_tokens = counter("generation_tokens", "Generated tokens").labels(**labels)
+        self.request_success = counter("request_success", "Finished requests by finish reason", ("finished_reason",))
+        self.engine_steps = counter("engine_steps", "Engine steps by forward mode", ("forward_mode",))
+        for reason in FINISH_REASONS:
+            self.request_success.labels(**labels, finished_reason=reason)
+        for mode in FORWARD_MODES:
+            self.engine_steps.labels(**labels, forward_mode=mode)
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first output token", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Gap between consecutive output tokens", _LATENCY_BUCKETS)
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Per request: (last - first token time) / (tokens - 1)",
+            _LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled", _LATENCY_BUCKETS)
+        self.step_prefill_tokens = histogram(
+            "step_prefill_tokens", "Prompt tokens per engine step (steps with any)", _TOKEN_BUCKETS)
+        self.step_decode_batch_size = histogram(
+            "step_decode_batch_size", "Decode tokens per engine step (steps with any)", _TOKEN_BUCKETS)
+        self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step", _LATENCY_BUCKETS)
+        error = Gauge("chunkserve:step_time_prediction_relative_error",
+                      "|predicted - actual| / actual step time of the step-time model over recent steps, by quantile",
+                      names + ["quantile"], registry=self.registry)
+        self.prediction_error = {q: error.labels(**labels, quantile=str(q)) for q in (0.5, 0.9)}
+        self.prefill_wait_guards = counter(
+            "prefill_wait_guards", "Steps where a prompt got tokens past the TBT SLO after waiting "
+            "--max-prefill-wait-ms").labels(**labels)
+        self._totals_seen: dict[Counter, int] = {}
+
+    def observe(self, record: StepRecord | None, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
+        if record is not None:
+            self._observe_step(record)
+        for output in outputs:
+            self._observe_output(output)
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.num_requests_swapped.set(stats.num_preempted_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.kv_cache_free_blocks.set(stats.num_free_blocks)
+        self.kv_cache_total_blocks.set(stats.num_blocks)
+        self._count_up_to(self.num_preemptions, stats.num_preemptions_total)
+        self._count_up_to(self.prefix_cache_queries, stats.prefix_cache_queries_total)
+        self._count_up_to(self.prefix_cache_hits, stats.prefix_cache_hits_total)
+
+    def _count_up_to(self, counter: Counter, total: int) -> None:
+        """Advance a counter to the engine's running total."""
+        counter.inc(total - self._totals_seen.get(counter, 0))
+        self._totals_seen[counter] = total
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def _observe_step(self, record: StepRecord) -> None:
+        self.engine_steps.labels(**self._labels, forward_mode=record.forward_mode.value).inc()
+        self.step_duration.observe(record.duration_s)
+        if record.num_prefill_tokens:
+            self.step_prefill_tokens.observe(record.num_prefill_tokens)
+        if record.num_decode_tokens:
+            self.step_decode_batch_size.observe(record.num_decode_tokens)
+        if record.prediction_error_p50 is not None:
+            self.prediction_error[0.5].set(record.prediction_error_p50)
+            self.prediction_error[0.9].set(record.prediction_error_p90)
+        if record.prefill_wait_guard:
+            self.prefill_wait_guards.inc()
+
+    def _observe_output(self, output: RequestOutput) -> None:
+        metrics = output.metrics
+        completion = output.outputs[0]
+        if completion.new_token_ids:
+            self.generation_tokens.inc(len(completion.new_token_ids))
+            times = metrics.token_times
+            if len(times) == 1:
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                self.time_to_first_token.observe(times[0] - metrics.arrival_time)
+            else:
+                self.inter_token_latency.observe(times[-1] - times[-2])
+        if not output.finished:
+            return
+        self.request_success.labels(**self._labels, finished_reason=completion.finish_reason).inc()
+        self.e2e_request_latency.observe(metrics.finished_time - metrics.arrival_time)
+        if metrics.first_scheduled_time is not None:
+            self.request_queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+        if len(metrics.token_times) > 1:
+            span = metrics.token_times[-1] - metrics.token_times[0]
+            self.time_per_output_token.observe(span / (len(metrics.token_times) - 1))

@@ -1,0 +1,42 @@
+"""The executor interface between the engine core and its workers.
+
+The engine core calls only these; an executor decides where the workers run. Every call but
+`execute_model` is a set-up call made once; `collective_rpc` runs a worker method on every
+worker and returns each one's answer (rank order)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from chunkserve.model.config import ModelConfig
+
+
+class Executor(ABC):
+    model_config: ModelConfig  # the model's shape, as the workers read it
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call `method` on every worker; their results, rank order."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; the output of the one that samples."""
+
+    def determine_num_kv_blocks(self) -> int:
+        """KV blocks every worker can hold: the smallest of theirs."""
+        return min(self.collective_rpc("determine_num_kv_blocks"))
+
+    def load_model(self, max_model_len: int) -> None:
+        self.collective_rpc("load_model", (max_model_len,))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    def profile(self, rows: list[tuple[int, int]], seed: int = 0) -> float:
+        """Seconds of one synthetic step (see `Worker.profile`): the slowest worker's."""
+        return max(self.collective_rpc("profile", (rows, seed)))
+
+    def shutdown(self) -> None:
+        """Release the workers; the executor is unusable afterwards."""

@@ -1,0 +1,25 @@
+"""One worker in the engine core's own process: the default executor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chunkserve.config.engine import EngineArgs
+from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from chunkserve.executor.base import Executor
+from chunkserve.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineArgs) -> None:
+        self.worker = Worker(config)
+        self.model_config = self.worker.model_config
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.worker = None

@@ -1,0 +1,198 @@
+"""The worker's C++ ops (csrc/), and the choice between them and plain torch.
+
+- `paged_decode_attention` (csrc/paged_attention.cpp): decode attention that reads each
+  request's KV in place through its block table.
+- `paged_prefill_attention` (csrc/prefill_attention.cpp): a prefill chunk's causal attention
+  over its history and its own keys, read in place through the block table.
+- `small_batch_linear` (csrc/small_batch_linear.cpp): the linear layers when a step has at
+  most `SMALL_BATCH_MAX_ROWS` rows, where it beats MKL's GEMM on this model's shapes (far
+  from the weight-bandwidth bound at a few rows, behind the kernel's tiles at hundreds);
+  `block_quantized_linear` is the same reading a GGUF model's Q4_0/Q4_1/Q8_0 blocks instead
+  of their float32 dequantization (3.8-7x fewer bytes per step, the same result).
+- `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
+  layer's small ops, one call each instead of a chain of torch calls.
+- Not ours but torch's: oneDNN's linear on weights packed once at load (`onednn_linear`), for
+  the layers' steps of `ONEDNN_MIN_ROWS` rows and more, where it beats both MKL and our kernel.
+
+The last five reach the model as a `ModelOps` (model/ops.py), whose plain-torch set
+`TORCH_OPS` they are tested against.
+
+They are compiled with `torch.utils.cpp_extension` for the machine they run on (about a
+minute on 2 cores; the build is cached under ~/.cache/torch_extensions); `make install`
+builds them once (`build_report`). Where no C++ compiler is available the engine keeps plain
+torch, which is also the reference the tests compare the ops against.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from chunkserve.config.engine import OP_BACKENDS
+from chunkserve.ops.model_ops import BlockWeight, ModelOps
+
+logger = logging.getLogger(__name__)
+
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = [os.path.join(_CSRC, name)
+            for name in ("ops.cpp", "paged_attention.cpp", "prefill_attention.cpp", "small_batch_linear.cpp",
+                         "elementwise.cpp")]
+
+# Up to this many rows the C++ linear beats or equals MKL on the layer shapes of SmolLM2-135M
+# here (benchmarks/small_batch_linear.py: 1.25x at 64 rows, 1.2x at 128, 1.1x at 256, 1.05x
+# at 512; above, MKL's blocked GEMM wins on the MLP's down projection, K = 1536, first). In
+# whole steps (benchmarks/step_time_curve.py) a 96-row step is 1.28x faster than with MKL, a
+# 256-row one 1.08x, a 512-row one 1.02x.
+SMALL_BATCH_MAX_ROWS = 512
+# From this many rows oneDNN's linear on packed weights beats the C++ kernel, on float32
+# weights and on the GGUF blocks alike (benchmarks/small_batch_linear.py, the 30 layers: equal
+# at 16-24 rows, 59 against 69 ms at 32, 1.5x at 256; in whole steps equal at 32-48 rows and
+# 0.91x at 64); below, the kernel reading the blocks moves fewer bytes. Layers whose weight
+# could not be packed keep the rules above.
+ONEDNN_MIN_ROWS = 32
+# The LM head (49152 x 576) is a shape MKL handles poorly: the C++ kernel is faster up to
+# 1024 rows at least (300 vs 397 ms at 1024).
+LOGITS_MAX_ROWS = 1024
+
+
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] reordered once into oneDNN's blocked layout for `onednn_linear`, or
+    None where this torch cannot or the weight is not float32. The layout is chosen for a
+    256-row batch; any row count runs on it."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or not _onednn_packing_works():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 256)
+
+
+@functools.cache
+def _onednn_packing_works() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8), 256)
+        return True
+    except (RuntimeError, AttributeError) as error:  # a build whose oneDNN lacks the op
+        logger.warning("oneDNN cannot pack weights here (%s); the layers keep the C++ kernel and MKL", error)
+        return False
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear on a weight from `pack_for_onednn` (the op torch's inductor uses for frozen CPU
+    linears): on this host oneDNN's kernels run this model's shapes 1.4-1.5x faster than MKL's
+    SGEMM, which F.linear calls (benchmarks/small_batch_linear.py)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+# (q, k_cache, v_cache, block_tables, context_lens, block_size, scale) -> attention output
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
+                        torch.Tensor]
+
+# (q, k_cache, v_cache, block_table, start, block_size, scale) -> attention output of one chunk
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The two attention ops that read the paged KV in place (the step's batch carries them)."""
+
+    decode: DecodeKernel
+    prefill: PrefillKernel
+
+
+@dataclass(frozen=True)
+class CppOps:
+    """The compiled functions, as bound from csrc/ops.cpp (signatures in csrc/ops.h)."""
+
+    decode_attention: DecodeKernel
+    prefill_attention: PrefillKernel
+    small_batch_linear: Callable[..., torch.Tensor]
+    block_quantized_linear: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[..., torch.Tensor]
+    onednn_linear: Callable[..., torch.Tensor]
+    pack_linear_weight: Callable[[torch.Tensor], torch.Tensor | None]
+
+    def attention_kernels(self) -> AttentionKernels:
+        return AttentionKernels(decode=self.decode_attention, prefill=self.prefill_attention)
+
+    def model_ops(self) -> ModelOps:
+        return ModelOps(linear=self.linear, logits=self.logits, rms_norm=self.rms_norm, add_rms_norm=self.add_rms_norm,
+                        rotary=self.rotary_embedding, silu_and_mul=self.silu_and_mul,
+                        pack_linear_weight=self.pack_linear_weight)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               blocks: BlockWeight | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear: by oneDNN on the `packed` weight for a float32 batch of ONEDNN_MIN_ROWS rows
+        or more, else by the C++ kernel for one of at most SMALL_BATCH_MAX_ROWS rows (from
+        `blocks` where the weight has them), else by MKL."""
+        if packed is not None and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS and x.dtype == torch.float32:
+            return self.onednn_linear(x, packed, bias)
+        return self._linear_up_to(SMALL_BATCH_MAX_ROWS, x, weight, bias, blocks)
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               blocks: BlockWeight | None = None) -> torch.Tensor:
+        """The LM head's F.linear, by the C++ kernel up to LOGITS_MAX_ROWS rows."""
+        return self._linear_up_to(LOGITS_MAX_ROWS, x, weight, bias, blocks)
+
+    def _linear_up_to(self, max_rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      blocks: BlockWeight | None) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= max_rows and x.dtype == torch.float32:
+            if blocks is not None:
+                return self.block_quantized_linear(x, blocks.blocks, blocks.ggml_type, bias)
+            return self.small_batch_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+
+@functools.cache
+def build_cpp_ops() -> CppOps:
+    """Compile (or load the cached build of) the ops; raises if they cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    try:  # the `ninja` wheel's binary, which is not on PATH unless the venv is activated
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    logger.info("loading the C++ ops (compiled on first use: about a minute)")
+    module = load(name="chunkserve_cpp_ops", sources=_SOURCES, extra_include_paths=[_CSRC],
+                  extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    return CppOps(decode_attention=module.paged_decode_attention, prefill_attention=module.paged_prefill_attention,
+                  small_batch_linear=module.small_batch_linear,
+                  block_quantized_linear=module.block_quantized_linear,
+                  rms_norm=module.rms_norm, add_rms_norm=module.add_rms_norm,
+                  rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul,
+                  onednn_linear=onednn_linear, pack_linear_weight=pack_for_onednn)
+
+
+def cpp_ops_for(backend: str) -> CppOps | None:
+    """The ops for `backend`: "cpp" must build, "auto" falls back to None (torch) with a
+    warning, "torch" is always None."""
+    if backend not in OP_BACKENDS:
+        raise ValueError(f"op backend must be one of {OP_BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return None
+    try:
+        return build_cpp_ops()
+    except Exception as error:  # no compiler, no ninja, a failed build
+        if backend == "cpp":
+            raise
+        logger.warning("the C++ ops could not be built (%s); using plain torch", error)
+        return None
+
+
+def build_report() -> str:
+    """Build the ops now (as `make install` does) and say whether it worked; never raises."""
+    try:
+        build_cpp_ops()
+        return "the C++ ops are built"
+    except Exception as error:  # reported, not fatal: the engine falls back to plain torch
+        return f"the C++ ops are not available here ({error}); plain torch will serve"

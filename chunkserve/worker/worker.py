@@ -1,0 +1,79 @@
+"""A worker: one model replica and its KV cache. It owns what touches tensors (loading the
+model, sizing and allocating the KV pool, choosing the ops) and runs the steps the executor
+hands it. With one process there is one worker; tensor- and pipeline-parallel executors
+will run one per rank, each answering the same calls."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from chunkserve.config.engine import EngineArgs
+from chunkserve.config.model import ModelSource, resolve_model
+from chunkserve.core.kv_connector import KVConnectorWorker
+from chunkserve.core.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from chunkserve.errors import InvalidRequestError
+from chunkserve.model.config import ModelConfig
+from chunkserve.model.llama import LlamaModel
+from chunkserve.model.loader import load_model, load_model_config
+from chunkserve.sampling_params import SamplingParams
+from chunkserve.worker.kv_cache import num_blocks_for_memory
+from chunkserve.worker.model_runner import ModelRunner
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class Worker:
+    def __init__(self, config: EngineArgs, kv_connector: KVConnectorWorker | None = None) -> None:
+        self.config = config
+        self.source: ModelSource = resolve_model(config.model)
+        self.model_config: ModelConfig = load_model_config(self.source)
+        self.kv_connector = kv_connector
+        self.model: LlamaModel | None = None
+        self.runner: ModelRunner | None = None
+        self.num_blocks = 0
+
+    def determine_num_kv_blocks(self) -> int:
+        """KV blocks that fit `kv_cache_memory_gb` (or exactly `num_kv_blocks`)."""
+        config = self.config
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        return num_blocks_for_memory(self.model_config, DTYPES[config.dtype], config.kv_cache_memory_gb,
+                                     config.block_size)
+
+    def load_model(self, max_model_len: int) -> None:
+        self.model = load_model(self.source, self.model_config, self.config.dtype, max_model_len)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV pool and the runner over it (after `load_model`)."""
+        assert self.model is not None, "load_model first"
+        config = self.config
+        self.num_blocks = num_blocks
+        self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size, config.seed,
+                                  config.op_backend, self.kv_connector)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(scheduler_output)
+
+    def profile(self, rows: list[tuple[int, int]], seed: int = 0) -> float:
+        """Run one step of made-up requests, a (start position, tokens) pair each, and return
+        its seconds. Their KV lands in blocks 0.. of the pool, so the engine calls this only
+        while no request holds blocks (and drops its prefix cache first)."""
+        block_size = self.config.block_size
+        rng = torch.Generator().manual_seed(seed)
+        scheduled, new = [], []
+        for index, (start, num_tokens) in enumerate(rows):
+            length = start + num_tokens
+            if not (0 < num_tokens and length <= self.num_blocks * block_size):
+                raise InvalidRequestError(f"synthetic request ({start}, {num_tokens}) does not fit the KV pool")
+            request_id = f"synthetic-{index}"
+            prompt = torch.randint(self.model_config.vocab_size, (length,), generator=rng).tolist()
+            new.append(NewRequestData(request_id, prompt, SamplingParams(max_tokens=1), None))
+            blocks = list(range(-(-length // block_size)))
+            scheduled.append(ScheduledRequest(request_id, start, num_tokens, blocks, True, True, num_tokens == 1))
+        begin = time.perf_counter()
+        self.runner.execute(SchedulerOutput(scheduled, new))
+        seconds = time.perf_counter() - begin
+        self.runner.execute(SchedulerOutput([], [], finished_request_ids={r.request_id for r in new}))
+        return seconds

@@ -1,0 +1,67 @@
+"""The engine core on a simulated executor (no model): what it sends per step."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from chunkserve.config import EngineArgs, resolve_model
+from chunkserve.engine.core import EngineCore
+from chunkserve.engine.messages import EngineCoreRequest
+from chunkserve.executor.simulated import SimulatedExecutor
+from chunkserve.model.loader import load_model_config
+from chunkserve.sampling_params import SamplingParams
+
+NUM_REQUESTS = 32
+
+
+@pytest.fixture(scope="module")
+def model_config():
+    return load_model_config(resolve_model(None))
+
+
+def decode_messages(model_config, history: int, num_steps: int) -> list[bytes]:
+    """The pickled per-step messages of `num_steps` pure decode steps of 32 requests whose
+    prompts hold `history` tokens."""
+    blocks = NUM_REQUESTS * (history + num_steps + 80) // 16 + 64
+    core = EngineCore(EngineArgs(max_num_batched_tokens=8192, max_num_seqs=NUM_REQUESTS, num_kv_blocks=blocks),
+                      SimulatedExecutor(model_config, blocks))
+    params = SamplingParams(max_tokens=num_steps + 64, ignore_eos=True, temperature=0)  # none ends early
+    for i in range(NUM_REQUESTS):
+        prompt = [1000 + (i * 31 + j) % 5000 for j in range(history)]
+        core.add_request(EngineCoreRequest(f"request-{i}", prompt, params, None, arrival_time=0.0))
+    while core.step().record.num_prefill_tokens or core.get_stats().num_waiting:
+        pass  # until every prompt is computed
+    messages = []
+    for _ in range(num_steps):
+        step = core.step()
+        assert step.record.num_decode_tokens == NUM_REQUESTS and len(step.outputs) == NUM_REQUESTS
+        messages.append(pickle.dumps(step.outputs))
+    return messages
+
+
+def test_a_steps_message_does_not_grow_with_history(model_config):
+    short = decode_messages(model_config, 256, 40)
+    long = decode_messages(model_config, 4096, 40)
+    sizes = {len(m) for m in short + long}
+    assert len(sizes) == 1, f"message sizes vary with history: {sorted(sizes)}"
+    assert sizes.pop() < 100 * NUM_REQUESTS  # a request's new token and counters, not its history
+
+
+def test_the_simulated_core_finishes_every_request_and_frees_every_block(model_config):
+    blocks = 64
+    core = EngineCore(EngineArgs(max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=blocks, max_model_len=256),
+                      SimulatedExecutor(model_config, blocks))
+    for i in range(12):
+        core.add_request(EngineCoreRequest(f"r{i}", [1000 + i] * (20 + 9 * i), SamplingParams(max_tokens=30),
+                                           None, arrival_time=0.0))
+    produced: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        step = core.step()
+        for output in step.outputs:
+            produced.setdefault(output.request_id, []).extend(output.new_token_ids)
+            assert output.finish_reason in (None, "length")
+    assert {len(tokens) for tokens in produced.values()} == {30} and len(produced) == 12
+    stats = core.get_stats()
+    assert stats.num_free_blocks == stats.num_blocks

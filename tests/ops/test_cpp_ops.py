@@ -1,0 +1,212 @@
+"""The C++ ops against their plain-torch references (F.linear, TORCH_OPS), and the choice
+between the C++ ops and torch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chunkserve.ops.model_ops import BLOCK_TYPES, TORCH_OPS, BlockWeight
+from chunkserve.ops import cpp_ops as cpp_ops_module
+from chunkserve.ops.cpp_ops import (
+    LOGITS_MAX_ROWS,
+    ONEDNN_MIN_ROWS,
+    SMALL_BATCH_MAX_ROWS,
+    cpp_ops_for,
+    onednn_linear,
+    pack_for_onednn,
+)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, SMALL_BATCH_MAX_ROWS])
+@pytest.mark.parametrize("features, depth", [(960, 576), (577, 1536), (5, 13), (3, 8)])
+def test_small_batch_linear_equals_f_linear(cpp_ops, rows, features, depth):
+    """Row counts across the 8-row tile, depths with and without a vector tail, odd features."""
+    generator = torch.Generator().manual_seed(rows * features)
+    x = torch.randn(rows, depth, generator=generator)
+    weight = torch.randn(features, depth, generator=generator)
+    bias = torch.randn(features, generator=generator)
+    torch.testing.assert_close(cpp_ops.small_batch_linear(x, weight, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpp_ops.small_batch_linear(x, weight, bias), F.linear(x, weight, bias),
+                               rtol=1e-4, atol=1e-4)
+
+
+def quantized(weight: torch.Tensor, type_name: str) -> tuple[BlockWeight, torch.Tensor]:
+    """`weight` as GGUF blocks, and the floats those blocks stand for."""
+    ggml_type = gguf.GGMLQuantizationType[type_name]
+    blocks = gguf.quants.quantize(weight.numpy(), ggml_type)
+    floats = torch.from_numpy(gguf.quants.dequantize(blocks, ggml_type))
+    return BlockWeight(int(ggml_type), torch.from_numpy(blocks)), floats
+
+
+@pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, SMALL_BATCH_MAX_ROWS])
+@pytest.mark.parametrize("features, depth", [(960, 576), (7, 1536), (3, 32)])
+def test_block_quantized_linear_equals_f_linear_on_the_dequantized_weight(cpp_ops, type_name, rows, features, depth):
+    """Every row tile and feature tail, over each block type's nibble or byte layout."""
+    generator = torch.Generator().manual_seed(rows * features + depth)
+    x = torch.randn(rows, depth, generator=generator)
+    blocks, weight = quantized(torch.randn(features, depth, generator=generator), type_name)
+    bias = torch.randn(features, generator=generator)
+    got = cpp_ops.block_quantized_linear(x, blocks.blocks, blocks.ggml_type, bias)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+
+
+def test_block_quantized_linear_names_a_bad_type_or_shape(cpp_ops):
+    blocks, _ = quantized(torch.randn(4, 64), "Q4_1")
+    with pytest.raises(RuntimeError, match="ggml type 12 is not Q4_0 \\(2\\), Q4_1 \\(3\\) or Q8_0 \\(8\\)"):
+        cpp_ops.block_quantized_linear(torch.randn(1, 64), blocks.blocks, 12, None)
+    with pytest.raises(RuntimeError, match="x must be \\[M, 64\\]"):
+        cpp_ops.block_quantized_linear(torch.randn(1, 32), blocks.blocks, blocks.ggml_type, None)
+
+
+def test_small_batch_linear_takes_a_non_contiguous_input(cpp_ops):
+    x = torch.randn(40, 64)[::5]  # 8 rows with a stride of 5 rows
+    weight = torch.randn(32, 64)
+    torch.testing.assert_close(cpp_ops.small_batch_linear(x, weight, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+
+
+def test_linears_hand_only_small_float32_batches_to_the_kernel(cpp_ops):
+    rows_seen = []
+
+    def recording_kernel(x, weight, bias):
+        rows_seen.append(x.shape[0])
+        return F.linear(x, weight, bias)
+
+    ops = dataclasses.replace(cpp_ops, small_batch_linear=recording_kernel)
+    weight = torch.randn(16, 8)
+    for rows in (1, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 1):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(ops.linear(x, weight), F.linear(x, weight))
+    ops.linear(torch.randn(4, 8, dtype=torch.float64), weight.double())
+    assert rows_seen == [1, SMALL_BATCH_MAX_ROWS]
+    rows_seen.clear()
+    for rows in (SMALL_BATCH_MAX_ROWS + 1, LOGITS_MAX_ROWS, LOGITS_MAX_ROWS + 1):
+        ops.logits(torch.randn(rows, 8), weight)
+    assert rows_seen == [SMALL_BATCH_MAX_ROWS + 1, LOGITS_MAX_ROWS]
+
+
+def test_a_weight_with_blocks_is_read_from_them_up_to_the_same_row_limits(cpp_ops):
+    block_rows_seen = []
+
+    def recording_kernel(x, blocks, ggml_type, bias):
+        block_rows_seen.append(x.shape[0])
+        return cpp_ops.block_quantized_linear(x, blocks, ggml_type, bias)
+
+    ops = dataclasses.replace(cpp_ops, block_quantized_linear=recording_kernel,
+                              small_batch_linear=lambda *args: pytest.fail("the float kernel ran"))
+    blocks, weight = quantized(torch.randn(16, 64), "Q8_0")
+    for rows in (1, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 1):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(ops.linear(x, weight, None, blocks), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    ops.logits(torch.randn(LOGITS_MAX_ROWS, 64), weight, None, blocks)
+    ops.logits(torch.randn(LOGITS_MAX_ROWS + 1, 64), weight, None, blocks)
+    assert block_rows_seen == [1, SMALL_BATCH_MAX_ROWS, LOGITS_MAX_ROWS]
+
+
+@pytest.mark.parametrize("rows", [1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 300])
+@pytest.mark.parametrize("features, depth", [(960, 576), (577, 1536), (5, 13)])
+def test_onednn_linear_on_the_packed_weight_equals_f_linear(rows, features, depth):
+    """Needs oneDNN, which every build of the pinned torch ships (x86 and ARM CPU wheels alike);
+    the fallback where it is missing is the next test."""
+    generator = torch.Generator().manual_seed(rows + features)
+    x = torch.randn(rows, depth, generator=generator)
+    weight = torch.randn(features, depth, generator=generator)
+    bias = torch.randn(features, generator=generator)
+    packed = pack_for_onednn(weight)
+    assert packed is not None, "this torch cannot pack weights for oneDNN"
+    torch.testing.assert_close(onednn_linear(x, packed, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(onednn_linear(x[::2], packed, bias), F.linear(x[::2], weight, bias), rtol=1e-4, atol=1e-4)
+    assert pack_for_onednn(weight.double()) is None
+
+
+@pytest.mark.parametrize("missing", ["oneDNN", "the reorder op"])
+def test_without_onednn_no_weight_is_packed(monkeypatch, caplog, missing):
+    """The layers then keep the C++ kernel and MKL; a oneDNN that lacks the op is said once."""
+    if missing == "oneDNN":
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    else:
+        def no_reorder(*args):
+            raise RuntimeError("no such op")
+
+        monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", no_reorder)
+    cpp_ops_module._onednn_packing_works.cache_clear()
+    try:
+        assert pack_for_onednn(torch.randn(16, 8)) is None and pack_for_onednn(torch.randn(4, 8)) is None
+    finally:
+        cpp_ops_module._onednn_packing_works.cache_clear()
+    warnings = [r for r in caplog.records if "oneDNN cannot pack weights here" in r.getMessage()]
+    assert len(warnings) == (1 if missing == "the reorder op" else 0)
+
+
+def test_a_packed_weight_takes_the_batches_from_onednn_min_rows(cpp_ops):
+    """Below ONEDNN_MIN_ROWS the kernel reads the blocks; from there on oneDNN reads the
+    packed weight, whatever the blocks (float32 only)."""
+    routes = []
+    ops = dataclasses.replace(
+        cpp_ops,
+        block_quantized_linear=lambda x, *rest: routes.append(("blocks", x.shape[0])) or torch.zeros(x.shape[0], 16),
+        onednn_linear=lambda x, packed, bias: routes.append(("onednn", x.shape[0])) or torch.zeros(x.shape[0], 16),
+    )
+    blocks, weight = quantized(torch.randn(16, 64), "Q8_0")
+    packed = torch.empty(0)  # never read: the recording op stands in for oneDNN
+    for rows in (1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, SMALL_BATCH_MAX_ROWS + 1):
+        ops.linear(torch.randn(rows, 64), weight, None, blocks, packed)
+    ops.linear(torch.randn(ONEDNN_MIN_ROWS, 64, dtype=torch.float64), weight.double(), None, None, packed)
+    assert routes == [("blocks", 1), ("blocks", ONEDNN_MIN_ROWS - 1), ("onednn", ONEDNN_MIN_ROWS),
+                      ("onednn", SMALL_BATCH_MAX_ROWS + 1)]
+
+
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_layer_ops_equal_the_torch_reference(cpp_ops, rows):
+    generator = torch.Generator().manual_seed(rows)
+    ours, reference = cpp_ops.model_ops(), TORCH_OPS
+
+    def close(got, expected):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+    x, residual = torch.randn(rows, 576, generator=generator), torch.randn(rows, 576, generator=generator)
+    weight = torch.randn(576, generator=generator)
+    close(ours.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+    heads = torch.randn(rows, 9, 64, generator=generator)[:, 1:7]  # not contiguous: a view of every row
+    close(ours.rms_norm(heads, weight[:64], 1e-6), reference.rms_norm(heads, weight[:64], 1e-6))
+
+    expected_norm, expected_residual = reference.add_rms_norm(x, residual.clone(), weight, 1e-5)
+    got_norm, got_residual = ours.add_rms_norm(x, residual, weight, 1e-5)
+    close(got_norm, expected_norm)
+    close(got_residual, expected_residual)
+
+    qkv = torch.randn(rows, 960, generator=generator)  # q, k, v as views of one row, as in the layer
+    angles = torch.rand(rows, 32, generator=generator) * 100
+    cos, sin = angles.cos(), angles.sin()
+    q, k, _ = qkv.clone().split([576, 192, 192], dim=-1)
+    expected_q, expected_k = reference.rotary(q.view(rows, 9, 64), k.view(rows, 3, 64), cos, sin)
+    q, k, _ = qkv.clone().split([576, 192, 192], dim=-1)
+    got_q, got_k = ours.rotary(q.view(rows, 9, 64), k.view(rows, 3, 64), cos, sin)
+    close(got_q, expected_q)
+    close(got_k, expected_k)
+
+    gate_up = torch.randn(rows, 2 * 1536, generator=generator) * 4
+    close(ours.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+
+
+def test_backend_choice(cpp_ops):
+    assert cpp_ops_for("torch") is None
+    assert cpp_ops_for("auto") is cpp_ops and cpp_ops_for("cpp") is cpp_ops
+    with pytest.raises(ValueError, match="op backend must be one of"):
+        cpp_ops_for("cuda")
+
+
+def test_auto_falls_back_to_torch_where_the_ops_cannot_build(monkeypatch, caplog):
+    def failed_build():
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpp_ops_module, "build_cpp_ops", failed_build)
+    assert cpp_ops_for("auto") is None
+    assert "could not be built (no C++ compiler); using plain torch" in caplog.text
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        cpp_ops_for("cpp")
