@@ -8,7 +8,7 @@ MKL's GEMM, attention gathers every decode's keys and values into a contiguous t
 step (grouped by context length), and norms, rotary and SiLU are chains of torch calls; with
 cpp the small-batch linear kernel streams the weights once (the default GGUF's Q4_1 and Q8_0
 blocks as they are), attention reads the KV in place through the block tables, and the small
-ops are fused (chunkserve/worker/csrc/). Backends alternate, `--repeats` times each; the
+ops are fused (chunkserve/ops/csrc/). Backends alternate, `--repeats` times each; the
 median over repeats is shown.
 
     .venv/bin/python benchmarks/decode_step.py [--repeats 2]

@@ -56,9 +56,9 @@ import transformers
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from chunkserve import LLM, RequestOutput, SamplingParams
+from chunkserve.config.model import default_model_path
 from chunkserve.core.sched.output import ForwardMode
 from chunkserve.model.config import ModelConfig
-from chunkserve.config.model import default_model_path
 
 TOKEN_ID_RANGE = (100, 40000)
 SEED = 0

@@ -13,7 +13,7 @@ over 1 GiB), measured right around the run.
 From those it prints the run's floor: the time if every FLOP ran at the best GEMM rate seen
 and every decode KV byte came at the streaming read rate, with nothing else to do (no norms,
 no sampling, no server). No float32 engine can run this workload on this machine faster;
-issue 5's Scenario A throughput target is set against it in docs/BENCHMARKS.md.
+issue 5's Scenario A throughput target is set against it in docs/benchmarks-log.md.
 
 Timers wrap Python calls (perf_counter around each), so they add a few microseconds per
 call; the wall time is the run's, timers included.

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from engine_speed import _timed  # benchmarks/, the script's own folder
 
+from chunkserve.attention.paged import paged_attention
 from chunkserve.core.sched.output import ScheduledRequest
 from chunkserve.core.step_predictor import chunk_attention
-from chunkserve.attention.paged import paged_attention
 from chunkserve.ops.cpp_ops import build_cpp_ops
 from chunkserve.worker.input_batch import build_forward_batch
 

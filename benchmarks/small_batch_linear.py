@@ -6,7 +6,7 @@ layers, so the weights come from memory as in a real step; the LM head once) and
 row counts: the time of all of them, per shape, by MKL, by the C++ kernel on float32 weights,
 by the C++ kernel on the GGUF blocks the default model ships (Q4_1 layers, a Q8_0 LM head),
 and by oneDNN on float32 weights reordered for it at load. This is how the row ranges in
-chunkserve/worker/cpp_ops.py were chosen. Weights are random: only shapes matter here.
+chunkserve/ops/cpp_ops.py were chosen. Weights are random: only shapes matter here.
 
     .venv/bin/python benchmarks/small_batch_linear.py [--rows 1 8 16 32 64] [--repeats 5]
 """

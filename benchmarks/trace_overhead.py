@@ -5,7 +5,7 @@ The trace writer runs after every step on the thread that receives the engine's 
 every step). This times `StepTraceWriter.observe` on realistic step records written to a real
 file, and prints the cost per step next to the duration of the fastest step our engine
 runs (a batch-1 decode step of the default model, about 30-40 ms on 2 cores; see
-docs/BENCHMARKS.md).
+docs/benchmarks-log.md).
 
     .venv/bin/python benchmarks/trace_overhead.py [--steps 20000]
 """
@@ -22,7 +22,7 @@ from chunkserve.core.sched.output import ForwardMode, SchedulerStats
 from chunkserve.engine.outputs import StepRecord
 from chunkserve.entrypoints.server.trace import StepTraceWriter
 
-REFERENCE_STEP_MS = 34.0  # batch-1 decode step, docs/BENCHMARKS.md (29.1 tok/s)
+REFERENCE_STEP_MS = 34.0  # batch-1 decode step, docs/benchmarks-log.md (29.1 tok/s)
 
 
 def records(count: int) -> list[StepRecord]:

@@ -3,14 +3,15 @@ nothing downloaded) and the default SmolLM2 model with transformers' own load of
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 
 import pytest
 import torch
 
-from chunkserve.engine.tokenizer import load_tokenizer
 from chunkserve.config.model import default_model_path, resolve_model
+from chunkserve.engine.tokenizer import load_tokenizer
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
@@ -29,6 +30,36 @@ def tiny_hf_config(arch: str):
         return Qwen3Config(**TINY, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                            tie_word_embeddings=False)
     raise ValueError(arch)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def load_each_model_once():
+    """Engines built in this test process share each model's weights: the first engine of a
+    (model, dtype, length) loads them, later ones get a copy of the module tree over the same
+    tensors (their own ops and packed weights, which the runner sets)."""
+    from chunkserve.model import loader
+    from chunkserve.worker import worker
+
+    loaded: dict[tuple, torch.nn.Module] = {}
+
+    def load_model(source, config, dtype, max_positions):
+        key = (source.path, dtype, max_positions)
+        if key not in loaded:
+            loaded[key] = loader.load_model(source, config, dtype, max_positions)
+        return _sharing_weights(loaded[key])
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(worker, "load_model", load_model)
+    yield
+    patch.undo()
+
+
+def _sharing_weights(module: torch.nn.Module) -> torch.nn.Module:
+    clone = copy.copy(module)  # a new __dict__ over the same values
+    clone._modules = {name: _sharing_weights(child) for name, child in module._modules.items()}
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    return clone
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import chunkserve
 
 PACKAGE = pathlib.Path(chunkserve.__file__).parent
 LAYERS = [
-    ("config", "errors", "sampling_params"),
+    ("config", "errors", "sampling_params", "version"),
     ("core",),
     ("ops",),
     ("attention",),
@@ -31,7 +31,7 @@ LAYERS = [
     ("entrypoints", ""),  # "": the package itself, whose lazy exports reach every layer
 ]
 APART = ("bench",)
-NO_TORCH = ("config", "errors", "sampling_params", "core", "bench")
+NO_TORCH = ("config", "errors", "sampling_params", "version", "core", "bench")
 
 
 def top_level(module: str) -> str:

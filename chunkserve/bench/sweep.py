@@ -230,7 +230,7 @@ SUMMARY_COLUMNS = [
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table: readable on the terminal, pasted as is into docs/BENCHMARKS.md.
+    """A Markdown table: readable on the terminal, pasted as is into docs/BENCHMARKS.md or the log.
     A capacity below every probed rate reads "< lowest rate"."""
     body = []
     for row in rows:

@@ -1,9 +1,10 @@
 """The engine's configuration: one flat `EngineArgs` with vLLM's names, checked on creation.
-Each owner resolves the part it reads (`SchedulerConfig.from_engine_args` once the model's
-length limit is known); the command line builds it from flags (entrypoints/args.py)."""
+Each owner resolves the part it reads (`scheduler_config()` once the model's length limit
+is known); the command line builds it from flags (entrypoints/args.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from chunkserve.config.scheduler import (
     DEFAULT_SLO_BUDGET,
     SCHEDULING_POLICIES,
     ChunkSchedule,
+    SchedulerConfig,
 )
 from chunkserve.errors import InvalidRequestError
 
@@ -140,3 +142,22 @@ class EngineArgs:
             fail("num_kv_blocks must be positive")
         if self.max_model_len is not None and self.max_model_len < 1:
             fail("max_model_len must be positive")
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's settings, with the defaults that depend on the model's length limit resolved."""
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            if not self.enable_chunked_prefill:
+                budget = max(max_model_len, DEFAULT_CHUNKED_BUDGET)
+            else:
+                budget = DEFAULT_SLO_BUDGET if self.tbt_slo_ms is not None else DEFAULT_CHUNKED_BUDGET
+        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else min(DEFAULT_MAX_NUM_SEQS, budget)
+        resolved = {"max_model_len", "max_num_batched_tokens", "max_num_seqs", "chunk_schedule"}
+        names = {f.name for f in dataclasses.fields(SchedulerConfig)} - resolved
+        return SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            chunk_schedule=None if self.chunk_schedule is None else ChunkSchedule.parse(self.chunk_schedule),
+            **{n: getattr(self, n) for n in names},
+        )

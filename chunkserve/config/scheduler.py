@@ -3,14 +3,9 @@ policies, and Sarathi-Serve's decreasing chunk schedule (a value type the schedu
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from chunkserve.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from chunkserve.config.engine import EngineArgs
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_CHUNKED_BUDGET = 512
@@ -82,23 +77,3 @@ class SchedulerConfig:
     @property
     def chunk_alignment(self) -> int:
         return self.chunk_align or self.block_size
-
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs, max_model_len: int) -> SchedulerConfig:
-        """Resolve the defaults that depend on the model's length limit."""
-        budget = args.max_num_batched_tokens
-        if budget is None:
-            if not args.enable_chunked_prefill:
-                budget = max(max_model_len, DEFAULT_CHUNKED_BUDGET)
-            else:
-                budget = DEFAULT_SLO_BUDGET if args.tbt_slo_ms is not None else DEFAULT_CHUNKED_BUDGET
-        max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else min(DEFAULT_MAX_NUM_SEQS, budget)
-        resolved = {"max_model_len", "max_num_batched_tokens", "max_num_seqs", "chunk_schedule"}
-        names = {f.name for f in dataclasses.fields(cls)} - resolved
-        return cls(
-            max_model_len=max_model_len,
-            max_num_batched_tokens=budget,
-            max_num_seqs=max_num_seqs,
-            chunk_schedule=None if args.chunk_schedule is None else ChunkSchedule.parse(args.chunk_schedule),
-            **{n: getattr(args, n) for n in names},
-        )

@@ -1,1 +1,2 @@
-"""The engine loop and what surrounds it: tokenizer, detokenizer, outputs, the LLM API."""
+"""The frontend (input and output processors, `LLMEngine`, `AsyncLLM`) and the token-only engine core
+(`EngineCore`, its loop, its messages and the clients that reach it)."""

@@ -143,10 +143,6 @@ class AsyncLLM:
         or ServerOverloadedError if it is refused."""
         loop = asyncio.get_running_loop()
         accepted, outputs = loop.create_future(), asyncio.Queue()
-        with self._lock:
-            self._check_alive()
-            if request_id in self._accepting or request_id in self._streams:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
         request, text = self.input_processor.process(request_id, prompt, params, priority)
         with self._lock:
             self._check_alive()

@@ -38,7 +38,7 @@ class EngineCore:
         self.model_config: ModelConfig = self.executor.model_config
         num_blocks = self.executor.determine_num_kv_blocks()
         self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks)
-        self.scheduler_config = SchedulerConfig.from_engine_args(config, self.max_model_len)
+        self.scheduler_config = config.scheduler_config(self.max_model_len)
         check_budget(self.scheduler_config)
         self.executor.load_model(self.max_model_len)
         self.executor.initialize_kv_cache(num_blocks)

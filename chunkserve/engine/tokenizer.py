@@ -11,8 +11,8 @@ import logging
 import os
 from typing import Any
 
-from chunkserve.errors import InvalidRequestError, ModelLoadError
 from chunkserve.config.model import ModelSource
+from chunkserve.errors import InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ from chunkserve.config.engine import EngineArgs
 from chunkserve.entrypoints.args import ServerArgs, add_cli_args, from_cli_args
 from chunkserve.errors import InvalidRequestError, ModelLoadError
 
-
 BENCH_COMMANDS = {
     "serve": "load a server with a workload; latency percentiles, throughput, goodput",
     "plot": "figures from bench results and step traces",
@@ -44,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from chunkserve import LLM, SamplingParams
+    from chunkserve.entrypoints.llm import LLM
+    from chunkserve.sampling_params import SamplingParams
 
     params = SamplingParams(  # before the model loads, so a bad flag fails at once
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

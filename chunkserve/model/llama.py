@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from chunkserve.attention.paged import AttentionMetadata, paged_attention, write_kv
 from chunkserve.model.config import ModelConfig
 from chunkserve.ops.model_ops import TORCH_OPS, BlockWeight, ModelOps
-from chunkserve.attention.paged import AttentionMetadata, paged_attention, write_kv
 
 
 class UsesOps:

@@ -1,7 +1,7 @@
 """The model's elementwise and linear ops, behind one swappable set.
 
 The layers call `ModelOps` instead of torch directly so that the worker can hand them fused
-C++ versions (worker/cpp_ops.py). At decode batch sizes a layer is some 60 small torch calls
+C++ versions (ops/cpp_ops.py). At decode batch sizes a layer is some 60 small torch calls
 whose dispatch costs more than their arithmetic; fused, it is about 15. `TORCH_OPS` is the
 plain-torch set: the reference the C++ ops are tested against, and what runs where they do
 not build.

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunkserve.core.sched.output import ScheduledRequest
 from chunkserve.attention.paged import AttentionMetadata, DecodeGroup, PrefillChunk
+from chunkserve.core.sched.output import ScheduledRequest
 from chunkserve.ops.cpp_ops import AttentionKernels
 
 

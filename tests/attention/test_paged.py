@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from chunkserve.core.sched.output import ScheduledRequest
 from chunkserve.attention.paged import paged_attention
+from chunkserve.core.sched.output import ScheduledRequest
 from chunkserve.worker.input_batch import build_forward_batch
 from tests.paged_runner import tables_of
 

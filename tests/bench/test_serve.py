@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from chunkserve.entrypoints import cli
 from chunkserve.bench.serve import add_arguments, format_table, run_benchmark
+from chunkserve.entrypoints import cli
 from tests.server_process import API_KEY
 
 TOP_LEVEL_KEYS = {"label", "workload", "config", "base_url", "model", "bench_start", "summary", "interference",

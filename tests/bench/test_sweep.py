@@ -12,9 +12,9 @@ import pytest
 from chunkserve.bench import serve as bench_serve
 from chunkserve.bench import sweep
 from chunkserve.bench.sweep import ServerConfig, SweepConfig
-from chunkserve.entrypoints.cli import build_parser
 from chunkserve.config import EngineArgs
 from chunkserve.entrypoints.args import from_cli_args
+from chunkserve.entrypoints.cli import build_parser
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 SHIPPED = os.path.join(BENCHMARKS, "sweep.yaml")

@@ -17,18 +17,19 @@ import pytest
 
 from chunkserve.config import SchedulerConfig
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.scheduler import Scheduler
 from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from chunkserve.core.sched.scheduler import Scheduler
 from chunkserve.sampling_params import SamplingParams
 
 BLOCK = 4
 EOS = 0
 
 
-def make_scheduler(num_blocks: int = 1000, predictor=None, clock=None, **overrides) -> Scheduler:
+def make_scheduler(num_blocks: int = 1000, predictor=None, clock=None, kv_connector=None, **overrides) -> Scheduler:
     config = dict(max_num_batched_tokens=32, max_num_seqs=16, max_model_len=4000, block_size=BLOCK)
     config.update(overrides)
-    return Scheduler(SchedulerConfig(**config), num_blocks, predictor, **({"clock": clock} if clock else {}))
+    return Scheduler(SchedulerConfig(**config), num_blocks, predictor, **({"clock": clock} if clock else {}),
+                     kv_connector=kv_connector)
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, priority: int = 0,

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from chunkserve.model.llama import Linear
 from chunkserve.config.model import resolve_model
+from chunkserve.model.llama import Linear
 from chunkserve.model.loader import load_model, load_model_config
-
 from tests.paged_runner import PagedRunner, reference_logits
 
 ATOL = 1e-4

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from chunkserve.errors import ModelLoadError
 from chunkserve.config.model import resolve_model
+from chunkserve.errors import ModelLoadError
 from chunkserve.model.loader import load_model, load_model_config
-
 from tests.paged_runner import PagedRunner, reference_logits
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chunkserve.ops.model_ops import BLOCK_TYPES, TORCH_OPS, BlockWeight
 from chunkserve.ops import cpp_ops as cpp_ops_module
 from chunkserve.ops.cpp_ops import (
     LOGITS_MAX_ROWS,
@@ -20,6 +19,7 @@ from chunkserve.ops.cpp_ops import (
     onednn_linear,
     pack_for_onednn,
 )
+from chunkserve.ops.model_ops import BLOCK_TYPES, TORCH_OPS, BlockWeight
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, SMALL_BATCH_MAX_ROWS])

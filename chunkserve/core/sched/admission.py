@@ -18,7 +18,7 @@ from chunkserve.core.request import Request
 from chunkserve.core.step_predictor import StepShape, StepTimePredictor
 
 if TYPE_CHECKING:
-    from chunkserve.core.sched.scheduler import StepBuilder
+    from chunkserve.core.sched.step_builder import StepBuilder
 
 
 class Admission(enum.Enum):

@@ -32,7 +32,7 @@ from chunkserve.core.request import Request
 from chunkserve.core.step_predictor import StepTimePredictor
 
 if TYPE_CHECKING:
-    from chunkserve.core.sched.scheduler import StepBuilder
+    from chunkserve.core.sched.step_builder import StepBuilder
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""The messages between the scheduler and the model runner. Plain data, no torch."""
+"""The scheduler's messages: to the workers (`SchedulerOutput`, block tables as diffs), from
+them (`ModelRunnerOutput`), and to the frontend (`EngineCoreOutput`, only what is new). Plain
+data, no torch."""
 
 from __future__ import annotations
 

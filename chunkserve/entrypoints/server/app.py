@@ -23,16 +23,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-import chunkserve
 from chunkserve.config.engine import EngineArgs
-from chunkserve.entrypoints.args import ServerArgs
 from chunkserve.engine.async_llm import AsyncLLM
-from chunkserve.errors import EngineDeadError, InvalidRequestError, ServerOverloadedError
+from chunkserve.entrypoints.args import ServerArgs
 from chunkserve.entrypoints.server.metrics import EngineMetrics
 from chunkserve.entrypoints.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from chunkserve.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
 from chunkserve.entrypoints.server.serving import Serving
 from chunkserve.entrypoints.server.trace import StepTraceWriter
+from chunkserve.errors import EngineDeadError, InvalidRequestError, ServerOverloadedError
+from chunkserve.version import VERSION
 
 logger = logging.getLogger(__name__)
 MAX_VALIDATION_ERRORS = 3
@@ -47,7 +47,7 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
         yield
         engine.shutdown()  # aborts whatever the graceful-shutdown window left running
 
-    app = FastAPI(title="chunkserve", version=chunkserve.__version__, lifespan=lifespan)
+    app = FastAPI(title="chunkserve", version=VERSION, lifespan=lifespan)
     _add_error_handlers(app)
 
     # Bodies are parsed here rather than by FastAPI so that any Content-Type is read as JSON
@@ -78,7 +78,7 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
 
     @app.get("/version")
     async def version():
-        return {"version": chunkserve.__version__}
+        return {"version": VERSION}
 
     @app.get("/metrics")
     async def prometheus_metrics():

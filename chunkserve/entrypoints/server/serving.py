@@ -19,8 +19,6 @@ from chunkserve.core.sched.output import TokenLogprobs
 from chunkserve.engine.async_llm import AsyncLLM, RequestStream
 from chunkserve.engine.outputs import RequestOutput
 from chunkserve.engine.tokenizer import apply_chat_template
-from chunkserve.errors import InvalidRequestError
-from chunkserve.sampling_params import SamplingParams
 from chunkserve.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,6 +26,8 @@ from chunkserve.entrypoints.server.protocol import (
     TokenIds,
     error_body,
 )
+from chunkserve.errors import InvalidRequestError
+from chunkserve.sampling_params import SamplingParams
 
 Event = dict[str, Any]
 

@@ -1,4 +1,4 @@
-// The C++ ops of the CPU worker; bound to Python in ops.cpp, loaded by worker/cpp_ops.py.
+// The C++ ops of the CPU worker; bound to Python in ops.cpp, loaded by ops/cpp_ops.py.
 #pragma once
 
 #include <torch/extension.h>

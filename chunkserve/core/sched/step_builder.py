@@ -1,0 +1,55 @@
+"""The step being assembled: what the scheduler has handed out so far in one `schedule()`."""
+
+from __future__ import annotations
+
+from chunkserve.core.request import Request
+from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.step_predictor import StepShape
+
+
+class StepBuilder:
+    """The step being assembled: the remaining token budget and who got what."""
+
+    def __init__(self, budget: int, now: float) -> None:
+        self.budget = budget
+        self.now = now
+        self.num_rows = 0
+        self.shape = StepShape()
+        self.past_slo = False  # the starvation guard gave a prompt tokens past the TBT SLO
+        self.scheduled: list[ScheduledRequest] = []
+        self.preempted: set[str] = set()
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._num_tokens: dict[str, int] = {}
+
+    def count_prefix_query(self, num_tokens: int, num_cached: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_cached
+
+    def is_taken(self, request_id: str) -> bool:
+        """Already scheduled or preempted in this step."""
+        return request_id in self._num_tokens or request_id in self.preempted
+
+    def num_tokens_of(self, request_id: str) -> int:
+        return self._num_tokens.get(request_id, 0)
+
+    def add(self, request: Request, num_tokens: int, new_block_ids: list[int], resets_block_table: bool,
+            drafts: list[int]) -> None:
+        assert 0 < num_tokens <= self.budget, f"{num_tokens} tokens exceed the step budget {self.budget}"
+        self.budget -= num_tokens
+        self.num_rows += num_tokens
+        is_decode = request.is_decoding
+        self.shape = self.shape.plus(request.num_computed_tokens, num_tokens, is_decode)
+        self._num_tokens[request.request_id] = num_tokens
+        self.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                num_computed_tokens=request.num_computed_tokens,
+                num_scheduled_tokens=num_tokens,
+                new_block_ids=new_block_ids,
+                resets_block_table=resets_block_table,
+                sample=request.num_computed_tokens + num_tokens - len(drafts) == request.num_tokens,
+                is_decode=is_decode,
+                draft_token_ids=drafts,
+            )
+        )

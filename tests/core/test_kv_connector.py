@@ -1,0 +1,101 @@
+"""The KV-connector seam, driven by a fake connector that "loads" a prompt's leading blocks
+from elsewhere (writing their KV into the fake runner's slots, as a real transfer would) and
+holds finished requests' blocks until it has "sent" them."""
+
+from __future__ import annotations
+
+from chunkserve.core.kv_connector import KVConnectorScheduler, NoOpConnector
+from chunkserve.core.request import Request, RequestStatus
+from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from tests.core.test_scheduler import BLOCK, FakeRunner, assert_pool_free, make_request, make_scheduler, run
+
+
+class FakeRemoteConnector(KVConnectorScheduler):
+    """Requests named remote-* find all but their last block elsewhere, loaded asynchronously;
+    every finished request's blocks are sent before they may be freed."""
+
+    def __init__(self) -> None:
+        self.to_load: dict[str, tuple[list[int], int]] = {}  # request id -> (block ids, tokens)
+        self.sending: list[str] = []
+        self.external: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not request.request_id.startswith("remote") or request.num_preemptions:
+            return 0, False
+        available = (request.num_tokens - 1) // BLOCK * BLOCK - num_computed_tokens
+        return max(available, 0), True
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        self.external[request.request_id] = num_external_tokens
+        self.to_load[request.request_id] = (list(block_ids), request.num_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> dict:
+        meta = {"load": self.to_load, "send": self.sending}
+        self.to_load, self.sending = {}, []
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self.sending.append(request.request_id)
+        return True, {"blocks": list(block_ids)}
+
+
+class ConnectedRunner(FakeRunner):
+    """The fake runner plus the connector's worker side: loads land in the slots (the KV the
+    request's own prefill would have written), sends finish the step after they are asked for."""
+
+    def __init__(self, prompts: dict[str, list[int]]) -> None:
+        super().__init__()
+        self.prompts = prompts
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        result = super().execute(output)
+        meta = output.kv_connector_metadata
+        for request_id, (block_ids, num_tokens) in meta["load"].items():
+            self.tables[request_id] = block_ids
+            prompt = self.prompts[request_id]
+            for pos in range((num_tokens - 1) // BLOCK * BLOCK):
+                self.slots[self.slot(request_id, pos)] = (pos, tuple(prompt[: pos + 1]))
+            result.finished_recving.add(request_id)
+        result.finished_sending.update(meta["send"])
+        return result
+
+
+def test_remote_kv_is_awaited_then_only_the_rest_is_computed():
+    connector = FakeRemoteConnector()
+    scheduler = make_scheduler(kv_connector=connector)
+    requests = [make_request("remote-a", 37, 6), make_request("local", 20, 6), make_request("remote-b", 9, 4)]
+    plain = run(make_scheduler(), [make_request(r.request_id, r.num_prompt_tokens, r.max_tokens) for r in requests])
+    runner = ConnectedRunner({r.request_id: list(r.prompt_token_ids) for r in requests})
+    statuses = []
+    for request in requests:
+        scheduler.add_request(request)
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        statuses.append({r.request_id: r.status for r in requests})
+        scheduled = {s.request_id: s for s in output.scheduled}
+        for request_id in ("remote-a", "remote-b"):
+            if statuses[-1][request_id] == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                assert request_id not in scheduled, "a request ran before its KV arrived"
+        if "remote-a" in scheduled and not scheduled["remote-a"].is_decode:
+            assert scheduled["remote-a"].num_computed_tokens >= 36 - BLOCK  # only its tail is computed here
+        scheduler.update_from_output(output, runner.execute(output))
+    assert any(s["remote-a"] == RequestStatus.WAITING_FOR_REMOTE_KVS for s in statuses)
+    assert {r.request_id: r.output_token_ids for r in requests} == plain
+    assert connector.external == {"remote-a": 36, "remote-b": 8}
+    assert requests[0].num_cached_tokens == 36
+    assert scheduler.kv.num_free_blocks < scheduler.kv.num_blocks, "blocks are held until the connector sent them"
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, runner.execute(output))
+    assert_pool_free(scheduler)
+
+
+def test_an_aborted_request_waiting_for_remote_kv_frees_its_blocks():
+    connector = FakeRemoteConnector()
+    connector.request_finished = NoOpConnector().request_finished  # nothing to send
+    scheduler = make_scheduler(kv_connector=connector)
+    request = make_request("remote-x", 30, 4)
+    scheduler.add_request(request)
+    scheduler.schedule()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and scheduler.kv.block_table("remote-x")
+    scheduler.finish_requests(["remote-x"], RequestStatus.FINISHED_ABORTED)
+    assert_pool_free(scheduler)
