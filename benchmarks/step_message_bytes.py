@@ -11,6 +11,10 @@ each step's message in the two designs:
   new token ids (engine/messages.py), and the frontend's output processor builds the
   `RequestOutput`s on its side.
 
+It also prints the same for the step's `SchedulerOutput`, what the core hands its workers (and
+will broadcast to every tensor/pipeline-parallel rank): before, each scheduled request carried
+its whole block table; after, only the blocks added since the worker last saw it.
+
 Both messages come from one real run: the engine core (its scheduler, KV accounting and
 messages) on a simulated executor (no model: the message does not depend on the model's
 numbers), and the real output processor with the default model's tokenizer.
@@ -21,6 +25,7 @@ numbers), and the real output processor with the default model's tokenizer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pickle
 import statistics
 import time
@@ -47,11 +52,23 @@ def pickled(message: object, repeats: int = 5) -> tuple[int, float]:
     return len(data), statistics.median(times) * 1e6
 
 
+class RecordingExecutor(SimulatedExecutor):
+    """Keeps the last step's scheduler output, and the same with whole block tables (the old shape)."""
+
+    def execute_model(self, scheduler_output):
+        self.last = scheduler_output
+        self.last_whole = dataclasses.replace(scheduler_output, scheduled=[
+            dataclasses.replace(s, new_block_ids=list(self.tables(s.request_id))) for s in scheduler_output.scheduled])
+        return super().execute_model(scheduler_output)
+
+
 def measure(tokenizer, model_config, num_requests: int, prompt_len: int, output_len: int, logprobs: int | None,
             steps: int) -> dict[str, tuple[float, float]]:
     blocks = num_requests * (prompt_len + output_len + steps + 32) // 16 + 64
+    executor = RecordingExecutor(model_config, blocks)
     core = EngineCore(EngineArgs(max_num_batched_tokens=8192, max_num_seqs=num_requests, num_kv_blocks=blocks),
-                      SimulatedExecutor(model_config, blocks))
+                      executor)
+    executor.tables = core.scheduler.kv.block_table
     frontend = OutputProcessor(tokenizer)
     params = SamplingParams(max_tokens=output_len + steps + 16, ignore_eos=True, temperature=0, logprobs=logprobs)
     for i in range(num_requests):
@@ -59,7 +76,8 @@ def measure(tokenizer, model_config, num_requests: int, prompt_len: int, output_
         request = EngineCoreRequest(f"request-{i}", prompt, params, None, arrival_time=time.time())
         core.add_request(request)
         frontend.add_request(request, None)
-    sizes: dict[str, list[tuple[int, float]]] = {"before": [], "after": []}
+    sizes: dict[str, list[tuple[int, float]]] = {"before": [], "after": [], "workers before": [],
+                                                 "workers after": []}
     while True:
         step = core.step()
         if logprobs is not None:  # the simulated executor has no logprobs: made-up ones, as many as asked
@@ -70,6 +88,8 @@ def measure(tokenizer, model_config, num_requests: int, prompt_len: int, output_
         if done >= output_len and step.record.num_decode_tokens == num_requests:
             sizes["before"].append(pickled((step.record, outputs, step.stats)))
             sizes["after"].append(pickled(step))
+            sizes["workers before"].append(pickled(executor.last_whole))
+            sizes["workers after"].append(pickled(executor.last))
             if len(sizes["after"]) == steps:
                 break
     return {name: (statistics.median(b for b, _ in rows), statistics.median(us for _, us in rows))
@@ -91,13 +111,14 @@ def main() -> None:
     source = resolve_model(None)
     tokenizer, model_config = load_tokenizer(source), load_model_config(source)
     print(f"{args.requests} requests decoding, logprobs {args.logprobs}; median of {args.steps} decode steps")
-    print("| history (prompt + output) | before: bytes | before: pickle us | after: bytes | after: pickle us |")
-    print("|---|---|---|---|---|")
+    print("| history (prompt + output) | message | before: bytes | before: pickle us | after: bytes | after: pickle us |")
+    print("|---|---|---|---|---|---|")
     for prompt_len, output_len in SHAPES:
         result = measure(tokenizer, model_config, args.requests, prompt_len, output_len, args.logprobs, args.steps)
-        (before_bytes, before_us), (after_bytes, after_us) = result["before"], result["after"]
-        print(f"| {prompt_len} + {output_len} | {before_bytes:,.0f} | {before_us:,.0f} | {after_bytes:,.0f} | "
-              f"{after_us:,.0f} |")
+        for label, key in (("core -> frontend", ""), ("core -> workers", "workers ")):
+            (before_bytes, before_us), (after_bytes, after_us) = result[key + "before"], result[key + "after"]
+            print(f"| {prompt_len} + {output_len} | {label} | {before_bytes:,.0f} | {before_us:,.0f} | "
+                  f"{after_bytes:,.0f} | {after_us:,.0f} |")
 
 
 if __name__ == "__main__":
