@@ -1,5 +1,6 @@
-"""The frontend's side of a new request: text to token ids, parameters resolved and checked
-against the engine's limits, before anything reaches the engine core."""
+"""The frontend's side of a new request: text (or a conversation, through the model's chat
+template) to token ids, parameters resolved and checked against the engine's limits, before
+anything reaches the engine core."""
 
 from __future__ import annotations
 
@@ -36,6 +37,19 @@ class InputProcessor:
             priority=priority,
         )
         return request, text
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation -> prompt token ids, with the model's own chat template."""
+        if not messages:
+            raise InvalidRequestError("messages is empty", "messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template; send a plain prompt instead", "messages")
+        try:
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                         tokenize=True)
+        except Exception as error:  # the template's own checks (e.g. roles must alternate) raise anything
+            raise InvalidRequestError(f"the chat template refused the messages: {error}", "messages") from None
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from chunkserve.config.model import ModelSource
-from chunkserve.errors import InvalidRequestError, ModelLoadError
+from chunkserve.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +35,6 @@ def load_tokenizer(source: ModelSource) -> Any:
     except OSError as error:
         logger.warning("could not cache the tokenizer in %s: %s", cached, error)
     return tokenizer
-
-
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """A conversation -> prompt token ids, with the model's own chat template."""
-    if not messages:
-        raise InvalidRequestError("messages is empty", "messages")
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("this model has no chat template; send a plain prompt instead", "messages")
-    try:
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-    except Exception as error:  # the template's own checks (e.g. roles must alternate) raise anything
-        raise InvalidRequestError(f"the chat template refused the messages: {error}", "messages") from None
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 def _gguf_cache_dir(path: str) -> str:

@@ -11,7 +11,6 @@ from tqdm import tqdm
 from chunkserve.config import EngineArgs
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.engine.outputs import RequestOutput, StepRecord
-from chunkserve.engine.tokenizer import apply_chat_template
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import SamplingParams
 
@@ -63,7 +62,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt)
+        return self.engine.input_processor.apply_chat_template(messages, add_generation_prompt)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from chunkserve.core.sched.output import TokenLogprobs
 from chunkserve.engine.async_llm import AsyncLLM, RequestStream
 from chunkserve.engine.outputs import RequestOutput
-from chunkserve.engine.tokenizer import apply_chat_template
 from chunkserve.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -105,7 +104,7 @@ class Serving:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         self.check_model(body.model)
         messages = [m.as_template_message() for m in body.messages]
-        prompt = apply_chat_template(self.tokenizer, messages, body.add_generation_prompt)
+        prompt = self.engine.input_processor.apply_chat_template(messages, body.add_generation_prompt)
         params = body.chat_sampling_params()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add_all(request_id, [prompt], params, body.priority)
