@@ -12,7 +12,9 @@ Scheduler side (in the engine core, no tensors):
     carried to them in `SchedulerOutput.kv_connector_metadata`;
   - `request_finished(request, block_ids) -> (delay_free, params)`: a finished request's
     blocks stay allocated while `delay_free` (its KV is still being sent), until the worker
-    reports it in `finished_sending`.
+    reports it in `finished_sending`. It is called for a request aborted while its KV was
+    loading too: a connector with a load still in flight into those blocks must delay their
+    free the same way.
 
 Worker side (around the forward pass, with the KV tensors):
   - `bind_connector_metadata(metadata)`, `start_load_kv()` before the forward,

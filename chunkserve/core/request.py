@@ -23,11 +23,6 @@ class RequestStatus(enum.Enum):
         return self in FINISHED_STATUSES
 
     @property
-    def is_waiting(self) -> bool:
-        """In the waiting queue: not yet admitted, preempted, or waiting for its KV to arrive."""
-        return self in WAITING_STATUSES
-
-    @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self)
 
@@ -35,7 +30,6 @@ class RequestStatus(enum.Enum):
 FINISHED_STATUSES = frozenset(
     {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
 )
-WAITING_STATUSES = frozenset({RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.PREEMPTED})
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",

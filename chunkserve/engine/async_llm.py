@@ -14,6 +14,7 @@ step records and calling the step observers (/metrics, the trace).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
@@ -58,11 +59,11 @@ class RequestStream:
     """One accepted request's outputs: one after every step that gave it a token, the last
     with `finished` set. Leaving the iteration early, or `abort()`, aborts the request."""
 
-    def __init__(self, request_id: str, outputs: asyncio.Queue, abort: Callable[[str], None]) -> None:
+    def __init__(self, request_id: str, outputs: asyncio.Queue, abort: Callable[[], None]) -> None:
         self.request_id = request_id
         self.finished = False
         self._outputs = outputs
-        self._abort = abort
+        self._abort = abort  # aborts this request in the core (never a later one reusing its id)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -83,7 +84,7 @@ class RequestStream:
         """Abort unless already finished; safe to call any number of times."""
         if not self.finished:
             self.finished = True
-            self._abort(self.request_id)
+            self._abort()
 
 
 class AsyncLLM:
@@ -96,8 +97,13 @@ class AsyncLLM:
         self.observers = list(observers or [])
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self._lock = threading.Lock()  # the registries below are shared with the event thread
-        self._accepting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, asyncio.Queue]] = {}
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # The core knows each request by an id of its own, the caller's id plus a serial number: it
+        # may still report a request this side has finished (a stop string's abort reaches it a
+        # step late), and that must never reach a newer request with the caller's id.
+        self._core_ids: dict[str, str] = {}  # caller's id -> core id, while the request lives
+        self._serial = itertools.count()
+        self._accepting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, asyncio.Queue, str]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, str]] = {}  # by core id
         self._resets: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._tickets = itertools.count()
         self._dead: EngineDeadError | None = None
@@ -143,20 +149,23 @@ class AsyncLLM:
         or ServerOverloadedError if it is refused."""
         loop = asyncio.get_running_loop()
         accepted, outputs = loop.create_future(), asyncio.Queue()
-        request, text = self.input_processor.process(request_id, prompt, params, priority)
+        core_id = f"{request_id}#{next(self._serial)}"
+        request, text = self.input_processor.process(core_id, prompt, params, priority)
         with self._lock:
             self._check_alive()
-            if request_id in self._accepting or request_id in self._streams:
+            if request_id in self._core_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            self._accepting[request_id] = (loop, accepted, outputs)
-            self.output_processor.add_request(request, text)
+            self._core_ids[request_id] = core_id
+            self._accepting[core_id] = (loop, accepted, outputs, request_id)
+            self.output_processor.add_request(request, text, external_id=request_id)
         self._core.send(AddRequest(request))
+        abort = functools.partial(self._abort_in_core, [core_id])
         try:
             await accepted
         except asyncio.CancelledError:
-            self.abort(request_id)
+            abort()
             raise
-        return RequestStream(request_id, outputs, self.abort)
+        return RequestStream(request_id, outputs, abort)
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while any request is unfinished,
@@ -171,7 +180,14 @@ class AsyncLLM:
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort at the next step boundary; the blocks are back in the pool before the next step."""
-        self._core.send(AbortRequests([request_id] if isinstance(request_id, str) else list(request_id)))
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            core_ids = [self._core_ids[i] for i in ids if i in self._core_ids]
+        self._abort_in_core(core_ids)
+
+    def _abort_in_core(self, core_ids: list[str]) -> None:
+        if core_ids:
+            self._core.send(AbortRequests(core_ids))
 
     def abort_all(self) -> None:
         """Abort every request in flight (thread-safe: a signal handler or timer may call it)."""
@@ -191,16 +207,26 @@ class AsyncLLM:
     # ----- the core's events (engine or receiver thread) -------------------------------------
 
     def _on_event(self, event: Event) -> None:
+        try:
+            self._handle(event)
+        except Exception as error:  # a bug on this side: fail every caller rather than leave them hanging
+            logger.exception("the frontend could not handle the engine's %s", type(event).__name__)
+            with self._lock:
+                self._fail_everything(EngineDeadError(f"the frontend failed on the engine's events: {error!r}"))
+            self._core.send(Shutdown())
+
+    def _handle(self, event: Event) -> None:
         if isinstance(event, EngineCoreOutputs):
             self._deliver(event)
             return
         with self._lock:
             if isinstance(event, Accepted):
-                loop, accepted, outputs = self._accepting.pop(event.request_id)
+                loop, accepted, outputs, request_id = self._accepting.pop(event.request_id)
                 if event.error is None:
-                    self._streams[event.request_id] = (loop, outputs)
+                    self._streams[event.request_id] = (loop, outputs, request_id)
                 else:
                     self.output_processor.remove_request(event.request_id)
+                    del self._core_ids[request_id]
                 _call_in(loop, _settle, accepted, event.error)
             elif isinstance(event, PrefixCacheReset):
                 loop, done = self._resets.pop(event.ticket)
@@ -217,31 +243,35 @@ class AsyncLLM:
             self.step_records.append(update.record)
         with self._lock:
             processed = self.output_processor.process_outputs(update.outputs, update.timestamp)
-            if processed.requests_to_abort:  # stop strings: sent before their streams end, so before any reuse of the id
-                self._core.send(AbortRequests(processed.requests_to_abort))
-            for output in processed.request_outputs:
-                stream = self._streams.get(output.request_id)
+            self._abort_in_core(processed.requests_to_abort)  # stop strings: the core forgets them
+            failures = {core_id: RuntimeError(message) for core_id, message in processed.failed.items()}
+            if update.step_error is not None:
+                failures.update((core_id, RuntimeError(update.step_error)) for core_id in processed.outputs)
+            for core_id, item in [*processed.outputs.items(), *failures.items()]:
+                stream = self._streams.get(core_id)
                 if stream is None:
                     continue
-                if output.finished or update.step_error is not None:
-                    del self._streams[output.request_id]
-                loop, outputs = stream
-                item = output if update.step_error is None else RuntimeError(update.step_error)
+                loop, outputs, request_id = stream
+                if core_id in failures or item.finished:
+                    del self._streams[core_id]
+                    del self._core_ids[request_id]
+                    item = failures.get(core_id, item)
                 _call_in(loop, outputs.put_nowait, item)
         for observer in self.observers:
             observer(update.record, processed.request_outputs, update.stats)
 
     def _fail_everything(self, error: EngineDeadError) -> None:
         self._dead = error
-        for loop, accepted, _ in self._accepting.values():
+        for loop, accepted, _, _ in self._accepting.values():
             _call_in(loop, _settle, accepted, error)
         for loop, done in self._resets.values():
             _call_in(loop, _settle, done, error)
-        for loop, outputs in self._streams.values():
+        for loop, outputs, _ in self._streams.values():
             _call_in(loop, outputs.put_nowait, error)
         self._accepting.clear()
         self._resets.clear()
         self._streams.clear()
+        self._core_ids.clear()
 
 
 def _call_in(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:

@@ -15,6 +15,7 @@ from collections import deque
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.scheduler import SchedulerConfig
+from chunkserve.core.kv_connector import KVConnectorScheduler
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.output import EngineCoreOutput, SchedulerOutput, SchedulerStats, hit_rate
 from chunkserve.core.sched.scheduler import Scheduler
@@ -32,7 +33,10 @@ MAX_STEP_RECORDS = 100_000
 
 
 class EngineCore:
-    def __init__(self, config: EngineArgs, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineArgs, executor: Executor | None = None,
+                 kv_connector: KVConnectorScheduler | None = None) -> None:
+        """`kv_connector`: the scheduler's side of a KV connector (its worker side goes to the
+        executor's workers); none moves no KV."""
         self.config = config
         self.executor = executor or UniProcExecutor(config)
         self.model_config: ModelConfig = self.executor.model_config
@@ -43,7 +47,7 @@ class EngineCore:
         self.executor.load_model(self.max_model_len)
         self.executor.initialize_kv_cache(num_blocks)
         self.predictor = StepTimePredictor()
-        self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor)
+        self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector)
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self._next_step_id = 0
         if self.scheduler_config.tbt_slo_ms is not None or self.scheduler_config.ttft_slo_ms is not None:
@@ -94,9 +98,9 @@ class EngineCore:
         margin = self.predictor.margin
         scheduled = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduled)
+        outputs = self.scheduler.update_from_output(scheduled, runner_output)  # an empty step may report KV progress
         if scheduled.is_empty:
             return None
-        outputs = self.scheduler.update_from_output(scheduled, runner_output)
         duration = time.perf_counter() - start
         self.predictor.observe(StepShape.of(scheduled.scheduled), duration)
         record = self._record(scheduled, start_wall, duration, margin)

@@ -73,6 +73,8 @@ class LLMEngine:
 
     def _process(self, outputs: list[EngineCoreOutput], timestamp: float) -> list[RequestOutput]:
         processed = self.output_processor.process_outputs(outputs, timestamp)
-        if processed.requests_to_abort:  # stop strings: the core forgets them now, before the next step
+        if processed.requests_to_abort:  # stop strings (and failures): the core forgets them before the next step
             self.engine_core.abort_requests(processed.requests_to_abort)
+        if processed.failed:
+            raise RuntimeError("; ".join(f"request {i!r}: {why}" for i, why in processed.failed.items()))
         return processed.request_outputs

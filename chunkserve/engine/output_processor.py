@@ -1,10 +1,16 @@
 """The frontend's side of a running request: the engine core's new token ids become text
 (incremental detokenization), stop strings are found, and each step's `RequestOutput` is
 built with the request's metrics. A stop string ends the request here; the caller then aborts
-it in the core (`ProcessedOutputs.requests_to_abort`), as vLLM V1 does."""
+it in the core (`ProcessedOutputs.requests_to_abort`), as vLLM V1 does.
+
+States are keyed by the core's request id, which a frontend may make unique per request
+(`AsyncLLM` does): the core may still report a request the frontend finished (it runs ahead
+of a stop string's abort), and that late output must never reach a newer request that reuses
+the caller's id. Outputs carry the caller's id."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,10 +20,12 @@ from chunkserve.engine.messages import EngineCoreRequest
 from chunkserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from chunkserve.errors import InvalidRequestError
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class RequestState:
-    request_id: str
+    request_id: str  # the caller's
     prompt: str | None
     prompt_token_ids: list[int]
     detokenizer: IncrementalDetokenizer  # holds the output token ids too
@@ -27,8 +35,13 @@ class RequestState:
 
 @dataclass
 class ProcessedOutputs:
-    request_outputs: list[RequestOutput] = field(default_factory=list)
-    requests_to_abort: list[str] = field(default_factory=list)  # finished here by a stop string
+    outputs: dict[str, RequestOutput] = field(default_factory=dict)  # by core id, in the step's order
+    requests_to_abort: list[str] = field(default_factory=list)  # core ids finished here (stop strings, failures)
+    failed: dict[str, str] = field(default_factory=dict)  # core id -> why its output could not be made
+
+    @property
+    def request_outputs(self) -> list[RequestOutput]:
+        return list(self.outputs.values())
 
 
 class OutputProcessor:
@@ -36,13 +49,15 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, RequestState] = {}
 
-    def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
+    def add_request(self, request: EngineCoreRequest, prompt: str | None, external_id: str | None = None) -> None:
+        """Track `request` (keyed by its core id); its outputs carry `external_id` (default: the same)."""
         if request.request_id in self._states:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         params = request.sampling_params
         self._states[request.request_id] = RequestState(
-            request.request_id, prompt, request.prompt_token_ids, IncrementalDetokenizer(self.tokenizer, params),
-            RequestMetrics(arrival_time=request.arrival_time), logprobs=None if params.logprobs is None else [],
+            external_id or request.request_id, prompt, request.prompt_token_ids,
+            IncrementalDetokenizer(self.tokenizer, params), RequestMetrics(arrival_time=request.arrival_time),
+            logprobs=None if params.logprobs is None else [],
         )
 
     def has_request(self, request_id: str) -> bool:
@@ -52,10 +67,6 @@ class OutputProcessor:
         """Forget a request the core refused (or that will never report back)."""
         self._states.pop(request_id, None)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._states)
-
     def process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float) -> ProcessedOutputs:
         """`outputs` of one step (or of aborts), which ended at wall-clock `timestamp`."""
         processed = ProcessedOutputs()
@@ -63,10 +74,18 @@ class OutputProcessor:
             state = self._states.get(output.request_id)
             if state is None:  # finished here already (a stop string), or never ours
                 continue
-            processed.request_outputs.append(self._process(state, output, timestamp, processed))
+            try:
+                processed.outputs[output.request_id] = self._process(output.request_id, state, output, timestamp,
+                                                                     processed)
+            except Exception as error:  # e.g. the tokenizer failing on one request: fail that one alone
+                logger.exception("could not process the output of request %s", state.request_id)
+                del self._states[output.request_id]
+                if output.finish_reason is None:
+                    processed.requests_to_abort.append(output.request_id)
+                processed.failed[output.request_id] = f"processing its output failed ({error!r}); the request was aborted"
         return processed
 
-    def _process(self, state: RequestState, output: EngineCoreOutput, timestamp: float,
+    def _process(self, core_id: str, state: RequestState, output: EngineCoreOutput, timestamp: float,
                  processed: ProcessedOutputs) -> RequestOutput:
         metrics = state.metrics
         detokenizer = state.detokenizer
@@ -89,13 +108,13 @@ class OutputProcessor:
             cut = count < len(output.new_token_ids)  # the stop string came before the core's own finish
             if matched is not None and (finish_reason is None or cut):
                 if finish_reason is None:
-                    processed.requests_to_abort.append(state.request_id)
+                    processed.requests_to_abort.append(core_id)
                 finish_reason, stop_reason = "stop", matched
         finished = finish_reason is not None
         delta = detokenizer.delta(finished)
         if finished:
             metrics.finished_time = timestamp
-            del self._states[state.request_id]
+            del self._states[core_id]
         completion = CompletionOutput(
             index=0,
             text=detokenizer.emitted_text,

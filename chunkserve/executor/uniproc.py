@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from chunkserve.config.engine import EngineArgs
+from chunkserve.core.kv_connector import KVConnectorWorker
 from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from chunkserve.executor.base import Executor
 from chunkserve.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineArgs) -> None:
-        self.worker = Worker(config)
+    def __init__(self, config: EngineArgs, kv_connector: KVConnectorWorker | None = None) -> None:
+        self.worker = Worker(config, kv_connector)
         self.model_config = self.worker.model_config
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:

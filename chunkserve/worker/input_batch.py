@@ -20,7 +20,6 @@ class ForwardBatch:
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [R] rows whose hidden state is turned into logits
     sample_request_ids: list[str]  # the requests that sample, in row order
-    num_sampled_rows: list[int]  # rows each of them samples (1, or 1 + its drafts): R in all
 
 
 def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: Mapping[str, list[int]],
@@ -45,7 +44,6 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: Mapping[st
     slots: list[np.ndarray] = []
     logits_rows: list[int] = []
     sample_ids: list[str] = []
-    num_sampled_rows: list[int] = []
     prefills: list[PrefillChunk] = []
     row = 0
     for s in ordered:
@@ -69,7 +67,6 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: Mapping[st
         if s.sample:
             logits_rows.extend(range(row - s.num_sampled_rows, row))
             sample_ids.append(s.request_id)
-            num_sampled_rows.append(s.num_sampled_rows)
 
     attn = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(slots)),
@@ -84,7 +81,6 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: Mapping[st
         attn=attn,
         logits_indices=torch.tensor(logits_rows, dtype=torch.long),
         sample_request_ids=sample_ids,
-        num_sampled_rows=num_sampled_rows,
     )
 
 

@@ -67,9 +67,11 @@ def test_remote_kv_is_awaited_then_only_the_rest_is_computed():
     plain = run(make_scheduler(), [make_request(r.request_id, r.num_prompt_tokens, r.max_tokens) for r in requests])
     runner = ConnectedRunner({r.request_id: list(r.prompt_token_ids) for r in requests})
     statuses = []
+    held_after_finish = False
     for request in requests:
         scheduler.add_request(request)
     while scheduler.has_unfinished_requests():
+        held_after_finish |= all(r.is_finished for r in requests) and scheduler.kv.num_free_blocks < scheduler.kv.num_blocks
         output = scheduler.schedule()
         statuses.append({r.request_id: r.status for r in requests})
         scheduled = {s.request_id: s for s in output.scheduled}
@@ -83,10 +85,30 @@ def test_remote_kv_is_awaited_then_only_the_rest_is_computed():
     assert {r.request_id: r.output_token_ids for r in requests} == plain
     assert connector.external == {"remote-a": 36, "remote-b": 8}
     assert requests[0].num_cached_tokens == 36
-    assert scheduler.kv.num_free_blocks < scheduler.kv.num_blocks, "blocks are held until the connector sent them"
+    assert held_after_finish, "blocks are held until the connector has sent them"
+    assert_pool_free(scheduler)  # and the engine kept stepping until it had
+
+
+def test_a_reused_id_does_not_take_the_blocks_of_a_finished_request_still_sending():
+    connector = FakeRemoteConnector()
+    scheduler = make_scheduler(kv_connector=connector)
+    runner = FakeRunner()
+    old = make_request("r", 10, 1)
+    scheduler.add_request(old)
+    while not old.is_finished:
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, runner.execute(output))
+    held = [b for b in range(scheduler.kv.num_blocks) if scheduler.kv.pool.ref_count(b)]
+    assert held and scheduler.kv.block_table("r") == []
+    new = make_request("r", 10, 1)
+    new.prompt_token_ids = [900 + i for i in range(10)]
+    scheduler.add_request(new)
+    scheduler.schedule()  # builds the connector's metadata: the old r's blocks are sent now
+    assert not set(scheduler.kv.block_table("r")) & set(held), "the new r took the old r's blocks"
     output = scheduler.schedule()
-    scheduler.update_from_output(output, runner.execute(output))
-    assert_pool_free(scheduler)
+    scheduler.update_from_output(output, ModelRunnerOutput({}, finished_sending={"r"}))
+    assert all(scheduler.kv.pool.ref_count(b) == 0 for b in held)  # the old r's, sent
+    assert scheduler.kv.block_table("r"), "the new r keeps its own"
 
 
 def test_an_aborted_request_waiting_for_remote_kv_frees_its_blocks():
@@ -98,4 +120,20 @@ def test_an_aborted_request_waiting_for_remote_kv_frees_its_blocks():
     scheduler.schedule()
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and scheduler.kv.block_table("remote-x")
     scheduler.finish_requests(["remote-x"], RequestStatus.FINISHED_ABORTED)
+    assert_pool_free(scheduler)
+
+
+def test_requests_loading_remote_kv_hold_a_sequence_slot():
+    connector = FakeRemoteConnector()
+    connector.request_finished = NoOpConnector().request_finished
+    scheduler = make_scheduler(kv_connector=connector, max_num_seqs=1)
+    requests = [make_request(f"remote-{i}", 30, 20) for i in range(3)]
+    runner = ConnectedRunner({r.request_id: list(r.prompt_token_ids) for r in requests})
+    for request in requests:
+        scheduler.add_request(request)
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        loading = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in requests)
+        assert len(scheduler.running) + loading <= 1
+        scheduler.update_from_output(output, runner.execute(output))
     assert_pool_free(scheduler)

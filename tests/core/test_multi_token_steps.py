@@ -91,3 +91,19 @@ def test_drafts_never_reach_past_max_tokens():
     run(make_scheduler(), requests, check, runner=FakeRunner(speculate=True, draft_accuracy=1.0))
     assert [r.num_output_tokens for r in requests] == [3 + i for i in range(6)]
     assert EOS not in {t for r in requests for t in r.output_token_ids}
+
+
+def test_drafts_never_push_another_decode_out_of_its_step():
+    """Every running decode gets its token in every step (the budget holds max_num_seqs);
+    drafts get only what is left beside them."""
+    scheduler = make_scheduler(max_num_batched_tokens=2, max_num_seqs=2)
+    runner = FakeRunner()
+    a, b = make_request("a", 1, 20), make_request("b", 1, 20)
+    for request in (a, b):
+        scheduler.add_request(request)
+    while not (a.is_decoding and b.is_decoding):
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, runner.execute(output))
+    a.spec_token_ids = [5, 6, 7]
+    output = scheduler.schedule()
+    assert {s.request_id: s.num_scheduled_tokens for s in output.scheduled} == {"a": 1, "b": 1}

@@ -9,8 +9,11 @@ import threading
 import pytest
 
 from chunkserve import InvalidRequestError, SamplingParams
-from chunkserve.config import EngineArgs
+from chunkserve.config import EngineArgs, resolve_model
+from chunkserve.core.sched.output import EngineCoreOutput, SchedulerStats
 from chunkserve.engine.async_llm import AsyncLLM
+from chunkserve.engine.detokenizer import IncrementalDetokenizer
+from chunkserve.engine.messages import AbortRequests, Accepted, AddRequest, EngineCoreOutputs, EngineInfo
 from chunkserve.errors import EngineDeadError, ServerOverloadedError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -192,3 +195,97 @@ def test_a_killed_engine_process_fails_its_streams_and_refuses_new_requests():
     asyncio.run(run())
     assert not llm.is_running
     llm.shutdown()
+
+
+# ----- the frontend against a scripted core (the engine process runs ahead of the frontend) -------
+
+class ScriptedCore:
+    """Stands in for the engine core: records the commands; the test plays its events."""
+
+    def __init__(self, on_event, vocab_size: int) -> None:
+        self.on_event = on_event
+        self.info = EngineInfo("model", 2048, vocab_size)
+        self.sent = []
+
+    def send(self, command) -> None:
+        self.sent.append(command)
+
+    def is_alive(self) -> bool:
+        return True
+
+    def join(self, timeout_s: float) -> None:
+        pass
+
+    def last_added(self) -> str:
+        return [c for c in self.sent if isinstance(c, AddRequest)][-1].request.request_id
+
+
+def scripted_llm(tokenizer) -> tuple[AsyncLLM, ScriptedCore]:
+    cores = []
+    llm = AsyncLLM(lambda on_event: cores.append(ScriptedCore(on_event, len(tokenizer))) or cores[0],
+                   lambda: tokenizer, resolve_model(None))
+    return llm, cores[0]
+
+
+def step_event(*outputs: EngineCoreOutput) -> EngineCoreOutputs:
+    return EngineCoreOutputs(list(outputs), 1.0, None, SchedulerStats(0, 0, 0, 1, 1, 0, 0, 0))
+
+
+@pytest.mark.parametrize("late_output_finishes", [True, False])
+def test_a_reused_id_never_gets_the_late_output_of_the_request_a_stop_string_ended(default_tokenizer,
+                                                                                  late_output_finishes):
+    """The core runs the step after the one that completed a stop string before it sees the
+    abort; that step's output may arrive after the caller has re-added the same id."""
+    llm, core = scripted_llm(default_tokenizer)
+    stopping, late, fresh = (default_tokenizer.encode(text) for text in (" one STOP", " LATE", " fresh"))
+
+    async def run():
+        adding = asyncio.create_task(llm.add_request("a", "Hi", SamplingParams(max_tokens=50, stop=["STOP"])))
+        await asyncio.sleep(0)
+        first_id = core.last_added()
+        core.on_event(Accepted(first_id, None))
+        first = await adding
+        core.on_event(step_event(EngineCoreOutput(first_id, stopping, None)))
+        assert [o async for o in first][-1].outputs[0].finish_reason == "stop"
+        assert AbortRequests([first_id]) in core.sent
+        adding = asyncio.create_task(llm.add_request("a", "Hi", SamplingParams(max_tokens=50)))
+        await asyncio.sleep(0)
+        second_id = core.last_added()
+        core.on_event(step_event(EngineCoreOutput(first_id, late, None, "length" if late_output_finishes else None)))
+        core.on_event(Accepted(second_id, None))
+        second = await adding
+        core.on_event(step_event(EngineCoreOutput(second_id, fresh, None, "length")))
+        return [o async for o in second]
+
+    (only,) = asyncio.run(asyncio.wait_for(run(), 10))
+    assert only.request_id == "a" and only.outputs[0].token_ids == fresh
+
+
+def test_an_output_that_cannot_be_processed_fails_its_request_alone(default_tokenizer, monkeypatch):
+    llm, core = scripted_llm(default_tokenizer)
+    real_add_tokens = IncrementalDetokenizer.add_tokens
+
+    def add_tokens(self, token_ids):
+        if token_ids == [13]:
+            raise ValueError("injected tokenizer fault")
+        return real_add_tokens(self, token_ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_tokens", add_tokens)
+
+    async def run():
+        streams = {}
+        for name in ("victim", "survivor"):
+            adding = asyncio.create_task(llm.add_request(name, "Hi", SamplingParams(max_tokens=5)))
+            await asyncio.sleep(0)
+            core.on_event(Accepted(core.last_added(), None))
+            streams[name] = (core.last_added(), await adding)
+        core.on_event(step_event(EngineCoreOutput(streams["victim"][0], [13], None),
+                                 EngineCoreOutput(streams["survivor"][0], [14], None, "length")))
+        with pytest.raises(RuntimeError, match="injected tokenizer fault"):
+            async for _ in streams["victim"][1]:
+                pass
+        return [o async for o in streams["survivor"][1]], streams["victim"][0]
+
+    survivor, victim_id = asyncio.run(asyncio.wait_for(run(), 10))
+    assert survivor[-1].finished and survivor[-1].outputs[0].token_ids == [14]
+    assert AbortRequests([victim_id]) in core.sent and llm.is_running

@@ -65,3 +65,31 @@ def test_the_simulated_core_finishes_every_request_and_frees_every_block(model_c
     assert {len(tokens) for tokens in produced.values()} == {30} and len(produced) == 12
     stats = core.get_stats()
     assert stats.num_free_blocks == stats.num_blocks
+
+
+class LoadingExecutor(SimulatedExecutor):
+    """The simulated executor with a connector's worker side that finishes every load and
+    send in the step that asks for it (steps with nothing scheduled included)."""
+
+    def execute_model(self, scheduler_output):
+        result = super().execute_model(scheduler_output)
+        meta = scheduler_output.kv_connector_metadata
+        result.finished_recving, result.finished_sending = set(meta["load"]), set(meta["send"])
+        return result
+
+
+def test_kv_progress_reported_by_a_step_with_nothing_scheduled_is_not_lost(model_config):
+    from tests.core.test_kv_connector import FakeRemoteConnector
+
+    core = EngineCore(EngineArgs(max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64, max_model_len=256,
+                                 block_size=4), LoadingExecutor(model_config, 64), kv_connector=FakeRemoteConnector())
+    core.add_request(EngineCoreRequest("remote-a", list(range(1000, 1030)), SamplingParams(max_tokens=3), None, 0.0))
+    tokens = []
+    for _ in range(20):
+        if not core.has_unfinished_requests():
+            break
+        step = core.step()  # the first has nothing to run: the request waits for its KV
+        tokens += [t for o in (step.outputs if step else []) for t in o.new_token_ids]
+    assert not core.has_unfinished_requests() and len(tokens) == 3
+    stats = core.get_stats()
+    assert stats.num_free_blocks == stats.num_blocks  # sent, then freed

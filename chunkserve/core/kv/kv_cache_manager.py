@@ -169,3 +169,15 @@ class KVCacheManager:
         """The request finished: free its blocks and forget its hashes."""
         self.free(request_id)
         self._block_hashes.pop(request_id, None)
+
+    def detach(self, request_id: str) -> list[int]:
+        """The request finished but its blocks stay held (their KV is still being sent): they
+        are no longer its, so its id may be reused at once. Free them with `free_blocks`."""
+        table = self._block_tables.pop(request_id, [])
+        self._num_registered.pop(request_id, None)
+        self._block_hashes.pop(request_id, None)
+        return table
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """Release blocks taken with `detach`, the last first (as `free`)."""
+        self.pool.free(block_ids[::-1])

@@ -73,7 +73,8 @@ class Scheduler:
         self._known_to_worker: set[str] = set()
         self._finished_since_last_step: set[str] = set()
         self._remote_kv_tokens: dict[str, int] = {}  # computed tokens once the connector's load lands
-        self._sending: set[str] = set()  # finished, blocks held until the connector has sent them
+        # finished requests' blocks, held until the connector has sent them (oldest first per id)
+        self._sending: dict[str, deque[list[int]]] = {}
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens of requests admitted for the first time (cumulative)
         self.prefix_cache_hits = 0  # of those, found in the prefix cache
@@ -103,7 +104,9 @@ class Scheduler:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests waiting or running, or finished ones whose KV the connector is still sending
+        (the engine keeps stepping until the worker reports them sent)."""
+        return bool(self.waiting or self.running or self._sending)
 
     @property
     def num_waiting(self) -> int:
@@ -127,7 +130,7 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any request is unfinished."""
-        return not self.has_unfinished_requests() and not self._sending and self.kv.reset_prefix_cache()
+        return not self.has_unfinished_requests() and self.kv.reset_prefix_cache()
 
     # ----- one step -----------------------------------------------------------------
 
@@ -205,12 +208,15 @@ class Scheduler:
     # ----- the three phases -----------------------------------------------------------
 
     def _schedule_decodes(self, step: StepBuilder) -> None:
-        for request in list(self.running):
-            if request.is_decoding and not step.is_taken(request.request_id):
-                if step.budget < 1:
-                    break
-                drafts = self._drafts_that_fit(request, step.budget)
-                self._schedule_running(request, Chunk(1 + len(drafts)), step, drafts)
+        decoding = [r for r in self.running if r.is_decoding and not step.is_taken(r.request_id)]
+        for index, request in enumerate(decoding):
+            if step.is_taken(request.request_id):  # preempted for an earlier one
+                continue
+            if step.budget < 1:
+                break
+            # drafts only from budget that every decode after this one still leaves
+            drafts = self._drafts_that_fit(request, step.budget - (len(decoding) - index - 1))
+            self._schedule_running(request, Chunk(1 + len(drafts)), step, drafts)
 
     def _schedule_prefills(self, step: StepBuilder) -> None:
         """Prompts in progress, then waiting ones, in the admission policy's order."""
@@ -229,8 +235,8 @@ class Scheduler:
 
     def _admit(self, request: Request, step: StepBuilder) -> Admission:
         """Admit a waiting request if it fits."""
-        if len(self.running) >= self.config.max_num_seqs or step.budget < 1:
-            return Admission.STOP
+        if len(self.running) + len(self._remote_kv_tokens) >= self.config.max_num_seqs or step.budget < 1:
+            return Admission.STOP  # (requests loading remote KV hold a sequence slot already)
         cached_blocks, num_cached = self.kv.get_computed_blocks(request)
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_cached)
         if num_external and load_async:
@@ -282,9 +288,11 @@ class Scheduler:
             self.waiting.remove(request)
             self._start_running(request)
         for request_id in runner_output.finished_sending:
-            if request_id in self._sending:
-                self._sending.discard(request_id)
-                self.kv.remove_request(request_id)
+            held = self._sending.get(request_id)
+            if held:
+                self.kv.free_blocks(held.popleft())
+                if not held:
+                    del self._sending[request_id]
 
     # ----- helpers --------------------------------------------------------------------
 
@@ -343,8 +351,8 @@ class Scheduler:
         request_id = request.request_id
         request.status = status
         delay_free, _ = self.connector.request_finished(request, self.kv.block_table(request_id))
-        if delay_free:
-            self._sending.add(request_id)
+        if delay_free:  # held apart from the id, which a new request may reuse at once
+            self._sending.setdefault(request_id, deque()).append(self.kv.detach(request_id))
         else:
             self.kv.remove_request(request_id)
         self._admission_order.pop(request_id, None)
