@@ -101,6 +101,7 @@ def test_the_checker_sees_an_upward_import(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["chunkserve.bench.client", "chunkserve.sampling_params", "chunkserve",
+                                    "chunkserve.entrypoints.cli",
                                     "chunkserve.config", "chunkserve.core.sched.scheduler"])
 def test_light_modules_load_without_torch_or_the_engine(module):
     code = (f"import sys, {module}; "
