@@ -1,1 +1,2 @@
-"""The engine's bookkeeping: requests, KV blocks and the scheduler. Pure Python, no torch."""
+"""The engine's bookkeeping: requests, KV blocks and the prefix cache (kv/), the scheduler and its
+policies (sched/), the KV-connector seam, the step-time model. Pure Python, no torch."""

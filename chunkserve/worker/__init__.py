@@ -1,1 +1,2 @@
-"""Where tensors live: the KV cache, the flat batch, attention, the sampler, the runner."""
+"""A worker: one model replica with its KV cache (worker.py), the runner that keeps each request's
+state across steps, the flat mixed batch and the sampler."""
