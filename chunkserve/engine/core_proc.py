@@ -153,7 +153,10 @@ def run_engine_process(args: EngineArgs, max_waiting_requests: int | None, comma
     threading.Thread(target=_receive_commands, args=(commands_conn, commands), daemon=True,
                      name="chunkserve-commands").start()
     events_conn.send(Ready(info))
-    EngineCoreLoop(core, events_conn.send, max_waiting_requests).run(commands)
+    try:
+        EngineCoreLoop(core, events_conn.send, max_waiting_requests).run(commands)
+    finally:
+        core.shutdown()  # the executor's workers go with the process
 
 
 def _receive_commands(conn, commands: queue.SimpleQueue) -> None:
