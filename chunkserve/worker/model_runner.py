@@ -1,49 +1,20 @@
-"""Runs one scheduled step: update the persistent request states from the scheduler's diff,
-build the flat batch, one forward, logits for the sampling rows, sample."""
+"""Runs one scheduled step: update the persistent batch from the scheduler's diff
+(persistent_batch.py), build the flat batch, one forward, logits for the sampling rows, sample."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
 from chunkserve.core.kv_connector import KVConnectorWorker, NoOpConnector
-from chunkserve.core.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from chunkserve.core.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
 from chunkserve.ops.cpp_ops import cpp_ops_for
 from chunkserve.ops.model_ops import TORCH_OPS
 from chunkserve.worker.input_batch import build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_cache
+from chunkserve.worker.persistent_batch import PersistentBatch
 from chunkserve.worker.sampler import SamplingState, gather_logprobs, sample
-
-
-@dataclass
-class CachedRequestState:
-    """The worker's copy of a request, kept from its first step to its end: the sampler's
-    state (token history, seeded generator) and the block table, which the scheduler sends
-    as diffs (only the blocks added since the last step)."""
-
-    sampling: SamplingState
-    block_table: np.ndarray  # int64, with spare capacity; the first `num_blocks` are the table
-    num_blocks: int = 0
-
-    def update_blocks(self, scheduled: ScheduledRequest) -> None:
-        if scheduled.resets_block_table:
-            self.num_blocks = 0
-        new = scheduled.new_block_ids
-        end = self.num_blocks + len(new)
-        if end > len(self.block_table):
-            grown = np.zeros(max(end, 2 * len(self.block_table)), dtype=np.int64)
-            grown[: self.num_blocks] = self.block_table[: self.num_blocks]
-            self.block_table = grown
-        self.block_table[self.num_blocks : end] = new
-        self.num_blocks = end
-
-    @property
-    def blocks(self) -> np.ndarray:
-        return self.block_table[: self.num_blocks]
 
 
 class ModelRunner:
@@ -55,7 +26,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(config, self.dtype, num_blocks, block_size)
         self.generator = torch.Generator().manual_seed(seed)
         self.kv_connector = kv_connector or NoOpConnector()
-        self._requests: dict[str, CachedRequestState] = {}
+        self.persistent_batch = PersistentBatch()
         # The C++ ops are float32 only; other dtypes keep plain torch.
         self.cpp_ops = cpp_ops_for(op_backend if self.dtype == torch.float32 else "torch")
         self.attention_kernels = None if self.cpp_ops is None else self.cpp_ops.attention_kernels()
@@ -63,12 +34,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.persistent_batch
         for request_id in output.finished_request_ids:
-            self._requests.pop(request_id, None)
+            batch.remove(request_id)
         for new in output.new_requests:
-            self._requests[new.request_id] = self._new_state(new)
+            batch.add(new.request_id, self._new_state(new))
         for scheduled in output.scheduled:
-            self._requests[scheduled.request_id].update_blocks(scheduled)
+            batch.update_blocks(scheduled)
         connector = self.kv_connector
         connector.bind_connector_metadata(output.kv_connector_metadata)
         result = ModelRunnerOutput(sampled_token_ids={})
@@ -83,17 +55,17 @@ class ModelRunner:
         if any(s.draft_token_ids for s in output.scheduled):
             raise NotImplementedError("draft tokens were scheduled, but this runner has no speculative decoding "
                                       "to verify them")
-        requests = self._requests
+        sampling = self.persistent_batch.sampling
         scheduled = output.scheduled
-        token_ids = {s.request_id: requests[s.request_id].sampling.token_ids for s in scheduled}
-        tables = {s.request_id: requests[s.request_id].blocks for s in scheduled}
-        batch = build_forward_batch(scheduled, token_ids, tables, self.block_size, self.attention_kernels)
+        token_ids = {s.request_id: sampling[s.request_id].token_ids for s in scheduled}
+        batch = build_forward_batch(scheduled, token_ids, self.persistent_batch.block_tables, self.block_size,
+                                    self.attention_kernels)
         batch.attn.kv_connector = None if isinstance(self.kv_connector, NoOpConnector) else self.kv_connector
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         if not batch.sample_request_ids:
             return
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        states = [requests[request_id].sampling for request_id in batch.sample_request_ids]
+        states = [sampling[request_id] for request_id in batch.sample_request_ids]
         wants_logprobs = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         raw_logprobs = logits[wants_logprobs].log_softmax(dim=-1) if wants_logprobs else None
         tokens = sample(logits, states, self.generator)  # modifies logits in place
@@ -107,13 +79,12 @@ class ModelRunner:
             result.logprobs = {batch.sample_request_ids[i]: [r] for i, r in zip(wants_logprobs, records)}
 
     @staticmethod
-    def _new_state(new: NewRequestData) -> CachedRequestState:
+    def _new_state(new: NewRequestData) -> SamplingState:
         seed = new.sampling_params.seed
-        sampling = SamplingState(
+        return SamplingState(
             params=new.sampling_params,
             token_ids=list(new.prompt_token_ids),
             num_prompt_tokens=len(new.prompt_token_ids),
             eos_token_id=new.eos_token_id,
             generator=None if seed is None else torch.Generator().manual_seed(seed),
         )
-        return CachedRequestState(sampling, np.zeros(16, dtype=np.int64))
