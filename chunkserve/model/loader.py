@@ -23,7 +23,7 @@ from chunkserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from chunkserve.model.llama import LlamaModel
 from chunkserve.ops.model_ops import BLOCK_TYPES, BlockWeight
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # EngineArgs.dtype -> torch
 
 
 def load_model_config(source: ModelSource) -> ModelConfig:
@@ -45,7 +45,7 @@ def load_model(source: ModelSource, config: ModelConfig, dtype: str, max_positio
     """Build the model with empty weights, then fill them from the checkpoint."""
     with torch.device("meta"):
         model = LlamaModel(config, max_positions)
-    model = model.to_empty(device="cpu").to(_DTYPES[dtype])
+    model = model.to_empty(device="cpu").to(TORCH_DTYPES[dtype])
     if source.kind == "hf":
         weights, blocks = _read_hf_weights(source.path), {}
     else:

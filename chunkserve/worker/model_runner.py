@@ -26,6 +26,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(config, self.dtype, num_blocks, block_size)
         self.generator = torch.Generator().manual_seed(seed)
         self.kv_connector = kv_connector or NoOpConnector()
+        # told per layer when KV may be read and was written; None skips the calls of a no-op
+        self._layer_connector = None if isinstance(self.kv_connector, NoOpConnector) else self.kv_connector
         self.persistent_batch = PersistentBatch()
         # The C++ ops are float32 only; other dtypes keep plain torch.
         self.cpp_ops = cpp_ops_for(op_backend if self.dtype == torch.float32 else "torch")
@@ -55,12 +57,13 @@ class ModelRunner:
         if any(s.draft_token_ids for s in output.scheduled):
             raise NotImplementedError("draft tokens were scheduled, but this runner has no speculative decoding "
                                       "to verify them")
-        sampling = self.persistent_batch.sampling
+        persistent = self.persistent_batch
+        sampling = persistent.sampling
         scheduled = output.scheduled
         token_ids = {s.request_id: sampling[s.request_id].token_ids for s in scheduled}
-        batch = build_forward_batch(scheduled, token_ids, self.persistent_batch.block_tables, self.block_size,
-                                    self.attention_kernels)
-        batch.attn.kv_connector = None if isinstance(self.kv_connector, NoOpConnector) else self.kv_connector
+        tables = {s.request_id: persistent.blocks(s.request_id) for s in scheduled}
+        batch = build_forward_batch(scheduled, token_ids, tables, self.block_size, self.attention_kernels)
+        batch.attn.kv_connector = self._layer_connector
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         if not batch.sample_request_ids:
             return

@@ -9,8 +9,6 @@ message but the step's own flat batch (input_batch.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-
 import numpy as np
 
 from chunkserve.core.sched.output import ScheduledRequest
@@ -60,10 +58,6 @@ class PersistentBatch:
         row = self._rows[request_id]
         return self.block_table[row, : self.num_blocks[row]]
 
-    @property
-    def block_tables(self) -> Mapping[str, np.ndarray]:
-        return _BlockTables(self)
-
     def _grow(self, rows: int | None = None, columns: int | None = None) -> None:
         old_rows, old_columns = self.block_table.shape
         rows, columns = rows or old_rows, columns or old_columns
@@ -72,19 +66,3 @@ class PersistentBatch:
         self.block_table = table
         self.num_blocks = np.concatenate([self.num_blocks, np.zeros(rows - old_rows, dtype=np.int64)])
         self._free_rows = list(range(rows - 1, old_rows - 1, -1)) + self._free_rows
-
-
-class _BlockTables(Mapping[str, np.ndarray]):
-    """Request id -> its block table (a view), as `build_forward_batch` reads them."""
-
-    def __init__(self, batch: PersistentBatch) -> None:
-        self._batch = batch
-
-    def __getitem__(self, request_id: str) -> np.ndarray:
-        return self._batch.blocks(request_id)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._batch.sampling)
-
-    def __len__(self) -> int:
-        return len(self._batch)

@@ -16,12 +16,10 @@ from chunkserve.core.sched.output import ModelRunnerOutput, NewRequestData, Sche
 from chunkserve.errors import InvalidRequestError
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
-from chunkserve.model.loader import load_model, load_model_config
+from chunkserve.model.loader import TORCH_DTYPES, load_model, load_model_config
 from chunkserve.sampling_params import SamplingParams
 from chunkserve.worker.kv_cache import num_blocks_for_memory
 from chunkserve.worker.model_runner import ModelRunner
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class Worker:
@@ -39,7 +37,7 @@ class Worker:
         config = self.config
         if config.num_kv_blocks:
             return config.num_kv_blocks
-        return num_blocks_for_memory(self.model_config, DTYPES[config.dtype], config.kv_cache_memory_gb,
+        return num_blocks_for_memory(self.model_config, TORCH_DTYPES[config.dtype], config.kv_cache_memory_gb,
                                      config.block_size)
 
     def load_model(self, max_model_len: int) -> None:
