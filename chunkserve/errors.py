@@ -13,6 +13,22 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class RequestFailedError(RuntimeError):
+    """A step failed because of these requests' own data (a bad token id, a sampling row of
+    NaN): the engine fails them alone and keeps serving the others."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = list(request_ids)
+
+    def __reduce__(self):  # the default pickles only the message
+        return type(self), (str(self), self.request_ids)
+
+
+class RequestAbortedError(RuntimeError):
+    """The server aborted a request it had accepted (e.g. its client stopped reading its stream)."""
+
+
 class ServerOverloadedError(RuntimeError):
     """Too many requests are waiting; the client should retry later (HTTP 503)."""
 

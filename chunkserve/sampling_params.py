@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass, field
 
 from chunkserve.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Outside this range the penalty overflows float32 logits (a logit of 50 / 1e-45 is inf), and
+# one request's inf would make its row of probabilities NaN.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a request carries (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # everything so far: text, token ids, logprobs (the offline default)
+    DELTA = "delta"  # only what is new since the last output: a stream's events
+    FINAL_ONLY = "final_only"  # one output, when the request finishes: a non-streamed response
 
 
 @dataclass
@@ -33,6 +47,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,8 +62,15 @@ class SamplingParams:
         def fail(message: str) -> None:
             raise InvalidRequestError(message, param=message.split(" ", 1)[0])  # messages start with the field
 
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            fail(f"max_tokens must be at least 1, got {self.max_tokens}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                fail(f"{name} must be a finite number, got {value!r}")
+        for name in ("top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                fail(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            fail(f"max_tokens must be at least 1, got {self.max_tokens!r}")
         if self.temperature < 0:
             fail(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -57,8 +79,9 @@ class SamplingParams:
             fail(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             fail(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            fail(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            fail(f"repetition_penalty must be in [{low}, {high}], got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -69,12 +92,14 @@ class SamplingParams:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop must be a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids must be non-negative integers")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            fail(f"seed must fit in 64 bits, got {self.seed}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            fail(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -85,3 +110,11 @@ class SamplingParams:
         return (
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

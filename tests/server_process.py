@@ -13,6 +13,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key"
+ADMIN_API_KEY = "test-admin-key"
 MAX_BODY_BYTES = 256 * 1024
 
 
@@ -26,6 +27,16 @@ class Server:
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120,
                             **kwargs)
+
+    def admin_client(self, **kwargs) -> httpx.Client:
+        """For the admin endpoints (/reset_prefix_cache, /debug/...)."""
+        return httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {ADMIN_API_KEY}"}, timeout=120,
+                            **kwargs)
+
+    def check(self) -> dict:
+        """The engine's self-check (GET /debug/check)."""
+        with self.admin_client() as http:
+            return http.get("/debug/check").json()
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, keyed by name and sorted labels (without model_name)."""
@@ -57,8 +68,9 @@ def free_port() -> int:
 def start_server(tmp_path_factory, *flags: str, name: str) -> Server:
     port = free_port()
     log_path = str(tmp_path_factory.mktemp(name) / "server.log")
-    env = {**os.environ, "CHUNKSERVE_API_KEY": ""}
+    env = {**os.environ, "CHUNKSERVE_API_KEY": "", "CHUNKSERVE_ADMIN_API_KEY": ""}
     command = [sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", "--port", str(port), "--api-key", API_KEY,
+               "--admin-api-key", ADMIN_API_KEY,
                "--kv-cache-memory-gb", "0.25", "--max-request-body-bytes", str(MAX_BODY_BYTES), *flags]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from chunkserve.config.limits import CHARS_PER_TOKEN_BOUND, RequestLimits
 from chunkserve.config.scheduler import (
     DEFAULT_CHUNKED_BUDGET,
     DEFAULT_MAX_NUM_SEQS,
@@ -95,6 +96,12 @@ class EngineArgs:
         "cpp where it builds", choices=OP_BACKENDS
     )
     seed: int = arg(0, "seed of the sampler for requests that give none")
+    max_prompt_chars: int | None = arg(
+        None, f"longer prompts are refused before they are tokenized (default: {CHARS_PER_TOKEN_BOUND} x max_model_len)"
+    )
+    max_stop_sequences: int = arg(64, "most stop strings one request may give")
+    max_stop_sequence_chars: int = arg(1024, "longest stop string, in characters")
+    max_stop_token_ids: int = arg(1024, "most stop token ids one request may give")
 
     def __post_init__(self) -> None:
         def fail(message: str) -> None:
@@ -142,6 +149,16 @@ class EngineArgs:
             fail("num_kv_blocks must be positive")
         if self.max_model_len is not None and self.max_model_len < 1:
             fail("max_model_len must be positive")
+        for name in ("max_prompt_chars", "max_stop_sequences", "max_stop_sequence_chars", "max_stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                fail(f"{name} must be positive, got {value}")
+
+    def request_limits(self, max_model_len: int) -> RequestLimits:
+        """The frontend's bounds on one request, with the default that depends on max_model_len resolved."""
+        prompt_chars = self.max_prompt_chars or CHARS_PER_TOKEN_BOUND * max_model_len
+        return RequestLimits(prompt_chars, self.max_stop_sequences, self.max_stop_sequence_chars,
+                             self.max_stop_token_ids)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's settings, with the defaults that depend on the model's length limit resolved."""

@@ -56,6 +56,7 @@ class Request:
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.time)  # wall clock
     priority: int = 0  # lower value = served first (vLLM's convention)
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     output_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
     num_computed_tokens: int = 0

@@ -20,6 +20,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from chunkserve.config.engine import EngineArgs
@@ -33,21 +34,23 @@ from chunkserve.engine.messages import (
     AbortRequests,
     Accepted,
     AddRequest,
+    CallCore,
+    CoreCallResult,
     EngineCoreOutputs,
     EngineDied,
     Event,
-    PrefixCacheReset,
-    ResetPrefixCache,
     Shutdown,
     Stopped,
 )
 from chunkserve.engine.output_processor import OutputProcessor
 from chunkserve.engine.outputs import RequestOutput, StepRecord
 from chunkserve.engine.tokenizer import load_tokenizer
-from chunkserve.errors import EngineDeadError, InvalidRequestError
-from chunkserve.sampling_params import SamplingParams
+from chunkserve.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
+from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_UNREAD_OUTPUTS = 1024
 
 # Called after every step or batch of aborts: the step's record (None when no step ran), the
 # outputs it produced, and the scheduler's state after it. It runs on the thread that receives
@@ -92,9 +95,13 @@ class AsyncLLM:
     `from_engine`."""
 
     def __init__(self, start_core: Callable[[EventHandler], CoreClient], get_tokenizer: Callable[[], Any],
-                 source: ModelSource, observers: list[StepObserver] | None = None) -> None:
-        """`get_tokenizer` is called once the core has started."""
+                 source: ModelSource, args: EngineArgs, observers: list[StepObserver] | None = None,
+                 max_unread_outputs: int = DEFAULT_MAX_UNREAD_OUTPUTS) -> None:
+        """`get_tokenizer` is called once the core has started. `max_unread_outputs`: a request
+        whose reader leaves this many outputs unread is aborted (its reader stopped reading)."""
         self.observers = list(observers or [])
+        self.max_unread_outputs = max_unread_outputs
+        self.num_unread_aborts = 0  # requests aborted because their reader stopped reading
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self._lock = threading.Lock()  # the registries below are shared with the event thread
         # The core knows each request by an id of its own, the caller's id plus a serial number: it
@@ -102,24 +109,33 @@ class AsyncLLM:
         # step late), and that must never reach a newer request with the caller's id.
         self._core_ids: dict[str, str] = {}  # caller's id -> core id, while the request lives
         self._serial = itertools.count()
-        self._accepting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, asyncio.Queue, str]] = {}
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, str]] = {}  # by core id
-        self._resets: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._accepting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, asyncio.Queue, str, bool]] = {}
+        # by core id: the caller's loop, the request's outputs, the caller's id, whether only its last output counts
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, str, bool]] = {}
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # CallCore tickets
         self._tickets = itertools.count()
         self._dead: EngineDeadError | None = None
         self._stopped = threading.Event()
+        # called (on a thread of its own) with the reason when the engine core dies unasked
+        self.on_engine_death: Callable[[str], None] | None = None
+        self._start_core = start_core
         self._core = start_core(self._on_event)
         self.info = self._core.info
         self.tokenizer: Any = get_tokenizer()
-        self.input_processor = InputProcessor(self.tokenizer, source, self.info)
+        self.input_processor = InputProcessor(self.tokenizer, source, self.info,
+                                              args.request_limits(self.info.max_model_len))
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Tokenizing and chat templates run here, never on the event loop (a long prompt would stall
+        # every stream) nor in the engine core; the tokenizer's encode releases the GIL.
+        self._text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunkserve-tokenize")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_waiting_requests: int | None = None,
-                         observers: list[StepObserver] | None = None, multiprocess: bool = True) -> AsyncLLM:
+                         observers: list[StepObserver] | None = None, multiprocess: bool = True,
+                         max_unread_outputs: int = DEFAULT_MAX_UNREAD_OUTPUTS) -> AsyncLLM:
         """Build the engine from `args`: in its own process (default) or on a thread."""
         if not multiprocess:
-            return cls.from_engine(LLMEngine(args), max_waiting_requests, observers)
+            return cls.from_engine(LLMEngine(args), max_waiting_requests, observers, max_unread_outputs)
         source = resolve_model(args.model)
         loaded: dict[str, Any] = {}
 
@@ -127,15 +143,16 @@ class AsyncLLM:
             loaded["tokenizer"] = load_tokenizer(source)
 
         return cls(lambda on_event: ProcessCore(args, on_event, max_waiting_requests, while_loading=load),
-                   lambda: loaded["tokenizer"], source, observers)
+                   lambda: loaded["tokenizer"], source, args, observers, max_unread_outputs)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine, max_waiting_requests: int | None = None,
-                    observers: list[StepObserver] | None = None) -> AsyncLLM:
+                    observers: list[StepObserver] | None = None,
+                    max_unread_outputs: int = DEFAULT_MAX_UNREAD_OUTPUTS) -> AsyncLLM:
         """Run `engine`'s core on a thread of this process; after `shutdown()` it is the caller's again."""
         source = resolve_model(engine.args.model)
         return cls(lambda on_event: ThreadCore(engine.engine_core, engine.info, on_event, max_waiting_requests),
-                   lambda: engine.tokenizer, source, observers)
+                   lambda: engine.tokenizer, source, engine.args, observers, max_unread_outputs)
 
     @property
     def is_running(self) -> bool:
@@ -144,19 +161,22 @@ class AsyncLLM:
     # ----- the caller's side (event loop) --------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises InvalidRequestError
-        or ServerOverloadedError if it is refused."""
+        or ServerOverloadedError if it is refused. The prompt is tokenized off the event loop."""
         loop = asyncio.get_running_loop()
         accepted, outputs = loop.create_future(), asyncio.Queue()
         core_id = f"{request_id}#{next(self._serial)}"
-        request, text = self.input_processor.process(core_id, prompt, params, priority)
+        request, text = await loop.run_in_executor(
+            self._text_pool, functools.partial(self.input_processor.process, core_id, prompt, params, priority,
+                                               cache_salt=cache_salt))
+        final_only = request.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
         with self._lock:
             self._check_alive()
             if request_id in self._core_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._core_ids[request_id] = core_id
-            self._accepting[core_id] = (loop, accepted, outputs, request_id)
+            self._accepting[core_id] = (loop, accepted, outputs, request_id, final_only)
             self.output_processor.add_request(request, text, external_id=request_id)
         self._core.send(AddRequest(request))
         abort = functools.partial(self._abort_in_core, [core_id])
@@ -167,15 +187,28 @@ class AsyncLLM:
             raise
         return RequestStream(request_id, outputs, abort)
 
+    async def apply_chat_template(self, messages: list[dict[str, str]],
+                                  add_generation_prompt: bool = True) -> list[int]:
+        """A conversation -> prompt token ids (off the event loop, like tokenizing)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._text_pool, self.input_processor.apply_chat_template, messages, add_generation_prompt)
+
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while any request is unfinished,
         counting those added before this call."""
+        return await self._call_core("reset_prefix_cache")
+
+    async def check(self) -> dict:
+        """The engine core's self-check (EngineCore.check): ok when idle and consistent."""
+        return await self._call_core("check")
+
+    async def _call_core(self, method: str) -> Any:
         loop = asyncio.get_running_loop()
         done, ticket = loop.create_future(), next(self._tickets)
         with self._lock:
             self._check_alive()
-            self._resets[ticket] = (loop, done)
-        self._core.send(ResetPrefixCache(ticket))
+            self._calls[ticket] = (loop, done)
+        self._core.send(CallCore(ticket, method))
         return await done
 
     def abort(self, request_id: str | list[str]) -> None:
@@ -199,6 +232,17 @@ class AsyncLLM:
             self._core.send(Shutdown())
             self._stopped.wait(timeout_s)
         self._core.join(timeout_s)
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
+
+    def restart(self) -> None:
+        """Start a new engine core after the last one died (its requests were failed then)."""
+        if self.is_running:
+            raise RuntimeError("the engine core is running; only a dead one is restarted")
+        core = self._start_core(self._on_event)
+        with self._lock:
+            self._core = core
+            self._stopped.clear()
+            self._dead = None
 
     def _check_alive(self) -> None:
         if self._dead is not None or not self._core.is_alive():
@@ -214,6 +258,7 @@ class AsyncLLM:
             with self._lock:
                 self._fail_everything(EngineDeadError(f"the frontend failed on the engine's events: {error!r}"))
             self._core.send(Shutdown())
+            self._report_death(f"the frontend failed on the engine's events: {error!r}")
 
     def _handle(self, event: Event) -> None:
         if isinstance(event, EngineCoreOutputs):
@@ -221,22 +266,23 @@ class AsyncLLM:
             return
         with self._lock:
             if isinstance(event, Accepted):
-                loop, accepted, outputs, request_id = self._accepting.pop(event.request_id)
+                loop, accepted, outputs, request_id, final_only = self._accepting.pop(event.request_id)
                 if event.error is None:
-                    self._streams[event.request_id] = (loop, outputs, request_id)
+                    self._streams[event.request_id] = (loop, outputs, request_id, final_only)
                 else:
                     self.output_processor.remove_request(event.request_id)
                     del self._core_ids[request_id]
                 _call_in(loop, _settle, accepted, event.error)
-            elif isinstance(event, PrefixCacheReset):
-                loop, done = self._resets.pop(event.ticket)
-                _call_in(loop, _settle, done, None, event.reset)
+            elif isinstance(event, CoreCallResult):
+                loop, done = self._calls.pop(event.ticket)
+                _call_in(loop, _settle, done, None, event.result)
             elif isinstance(event, Stopped):
                 self._fail_everything(EngineDeadError("the engine is shutting down"))
                 self._stopped.set()
             elif isinstance(event, EngineDied):
                 self._fail_everything(EngineDeadError(f"engine failed: {event.error!r}"))
                 self._stopped.set()
+                self._report_death(repr(event.error))
 
     def _deliver(self, update: EngineCoreOutputs) -> None:
         if update.record is not None:
@@ -245,33 +291,60 @@ class AsyncLLM:
             processed = self.output_processor.process_outputs(update.outputs, update.timestamp)
             self._abort_in_core(processed.requests_to_abort)  # stop strings: the core forgets them
             failures = {core_id: RuntimeError(message) for core_id, message in processed.failed.items()}
-            if update.step_error is not None:
-                failures.update((core_id, RuntimeError(update.step_error)) for core_id in processed.outputs)
             for core_id, item in [*processed.outputs.items(), *failures.items()]:
                 stream = self._streams.get(core_id)
                 if stream is None:
                     continue
-                loop, outputs, request_id = stream
+                loop, outputs, request_id, final_only = stream
                 if core_id in failures or item.finished:
                     del self._streams[core_id]
                     del self._core_ids[request_id]
                     item = failures.get(core_id, item)
-                _call_in(loop, outputs.put_nowait, item)
+                elif final_only:
+                    continue
+                _call_in(loop, self._put, core_id, outputs, item)
         for observer in self.observers:
             observer(update.record, processed.request_outputs, update.stats)
 
+    def _report_death(self, reason: str) -> None:
+        if self.on_engine_death is not None:
+            threading.Thread(target=self.on_engine_death, args=(reason,), name="chunkserve-engine-death",
+                             daemon=True).start()
+
+    def _put(self, core_id: str, outputs: asyncio.Queue, item: RequestOutput | BaseException) -> None:
+        """Hand an output to its reader (on the reader's loop). A reader that has left
+        `max_unread_outputs` unread has stopped reading: its request is aborted and what it
+        left is dropped, so a client that never reads cannot make the server buffer without bound."""
+        if isinstance(item, BaseException) or item.finished or outputs.qsize() < self.max_unread_outputs:
+            outputs.put_nowait(item)
+            return
+        with self._lock:
+            stream = self._streams.pop(core_id, None)
+            if stream is None:  # already ended
+                return
+            del self._core_ids[stream[2]]
+        self._abort_in_core([core_id])
+        self.num_unread_aborts += 1
+        logger.warning("request %s aborted: its reader left %d outputs unread", stream[2], outputs.qsize())
+        while not outputs.empty():
+            outputs.get_nowait()
+        outputs.put_nowait(RequestAbortedError(
+            f"the request was aborted: {self.max_unread_outputs} of its outputs were left unread "
+            "(the client stopped reading its stream)"))
+
     def _fail_everything(self, error: EngineDeadError) -> None:
         self._dead = error
-        for loop, accepted, _, _ in self._accepting.values():
+        for loop, accepted, *_ in self._accepting.values():
             _call_in(loop, _settle, accepted, error)
-        for loop, done in self._resets.values():
+        for loop, done in self._calls.values():
             _call_in(loop, _settle, done, error)
-        for loop, outputs, _ in self._streams.values():
+        for loop, outputs, *_ in self._streams.values():
             _call_in(loop, outputs.put_nowait, error)
         self._accepting.clear()
-        self._resets.clear()
+        self._calls.clear()
         self._streams.clear()
         self._core_ids.clear()
+        self.output_processor = OutputProcessor(self.tokenizer)  # the failed requests' states go with them
 
 
 def _call_in(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:

@@ -22,7 +22,8 @@ from chunkserve.core.sched.scheduler import Scheduler
 from chunkserve.core.step_predictor import StepShape, StepTimePredictor
 from chunkserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from chunkserve.engine.outputs import StepRecord
-from chunkserve.errors import InvalidRequestError
+from chunkserve.engine.triage import StepFailureTriage
+from chunkserve.errors import InvalidRequestError, RequestFailedError
 from chunkserve.executor.base import Executor
 from chunkserve.executor.uniproc import UniProcExecutor
 from chunkserve.model.config import ModelConfig
@@ -48,6 +49,7 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.predictor = StepTimePredictor()
         self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector)
+        self.triage = StepFailureTriage(self.scheduler_config.max_num_seqs)
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self._next_step_id = 0
         if self.scheduler_config.tbt_slo_ms is not None or self.scheduler_config.ttft_slo_ms is not None:
@@ -70,11 +72,15 @@ class EngineCore:
             eos_token_id=request.eos_token_id,
             priority=request.priority,
             arrival_time=request.arrival_time,
+            cache_salt=request.cache_salt,
         ))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort requests at any point; their blocks return to the pool at once."""
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self.triage.is_active:
+            self.triage.forget(request_ids)
+            self._restrict_to_tested()
         return [Scheduler.output_of(request, []) for request in aborted]
 
     def has_unfinished_requests(self) -> bool:
@@ -90,21 +96,65 @@ class EngineCore:
         """Forget every cached prefix; refused (False) while any request is unfinished."""
         return self.scheduler.reset_prefix_cache()
 
+    def check(self) -> dict:
+        """The engine's self-check: `ok` when its state is consistent and it is idle, with
+        every KV block free or cached and no request left."""
+        problems = self.scheduler.check()
+        pool = self.scheduler.kv.pool
+        report = {"num_requests": len(self.scheduler.requests), "num_free_blocks": pool.num_free_blocks,
+                  "num_cached_blocks": pool.num_cached_blocks, "num_blocks": pool.num_blocks}
+        idle = report["num_requests"] == 0 and pool.num_free_blocks == pool.num_blocks
+        return {"ok": not problems and idle, "problems": problems, **report}
+
     # ----- the step -----------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs | None:
-        """One step; None when nothing was scheduled."""
+        """One step; None when nothing was scheduled. A step the executor fails is void and
+        fails only the requests found to cause it (triage.py); the others run again."""
         start_wall, start = time.time(), time.perf_counter()
         margin = self.predictor.margin
         scheduled = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduled)
+        try:
+            runner_output = self.executor.execute_model(scheduled)
+        except Exception as error:
+            return self._void_step(scheduled, error)
         outputs = self.scheduler.update_from_output(scheduled, runner_output)  # an empty step may report KV progress
+        if self.triage.is_active:
+            self.triage.on_success([s.request_id for s in scheduled.scheduled])
+            self.triage.forget([o.request_id for o in outputs if o.finished])
+            self._restrict_to_tested()
         if scheduled.is_empty:
             return None
         duration = time.perf_counter() - start
         self.predictor.observe(StepShape.of(scheduled.scheduled), duration)
         record = self._record(scheduled, start_wall, duration, margin)
         return EngineCoreOutputs(outputs, time.time(), record, self.scheduler.stats())
+
+    def _void_step(self, scheduled: SchedulerOutput, error: Exception) -> EngineCoreOutputs | None:
+        self.scheduler.void_step(scheduled)
+        requests = self.scheduler.requests
+        in_step = sorted((requests[s.request_id] for s in scheduled.scheduled if s.request_id in requests),
+                         key=lambda r: (r.arrival_time, r.request_id))
+        culprits = error.request_ids if isinstance(error, RequestFailedError) else []
+        culprits = [i for i in culprits if i in requests]
+        if culprits:
+            logger.warning("engine step failed because of request(s) %s: %s; failing them alone", culprits, error)
+            reason = str(error)
+        else:
+            logger.error("engine step of %d request(s) failed; finding the cause", len(in_step), exc_info=error)
+            culprits = self.triage.on_failure([r.request_id for r in in_step])
+            reason = f"the engine step failed ({error!r}) whenever this request was in it"
+        failed = self.scheduler.finish_requests(culprits, RequestStatus.FINISHED_ABORTED)
+        self.triage.forget(culprits)
+        self._restrict_to_tested()
+        if not failed:
+            return None
+        outputs = [Scheduler.output_of(r, [])._replace(error=reason) for r in failed]
+        return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
+
+    def _restrict_to_tested(self) -> None:
+        """While the triage searches, only the requests it tests run."""
+        self.scheduler.only = self.triage.tested
 
     def _record(self, scheduled: SchedulerOutput, start_wall: float, duration: float, margin: float) -> StepRecord:
         errors = self.predictor.error_quantiles()

@@ -26,13 +26,13 @@ from chunkserve.engine.messages import (
     AbortRequests,
     Accepted,
     AddRequest,
+    CallCore,
     Command,
+    CoreCallResult,
     EngineCoreOutputs,
     EngineDied,
     Event,
-    PrefixCacheReset,
     Ready,
-    ResetPrefixCache,
     Shutdown,
     Stopped,
 )
@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 
 class EngineCoreLoop:
     """Runs `core` until `Shutdown`, reporting to `emit`. One thread owns the core, so
-    nothing in it needs a lock. A step that raises fails the requests in flight and the loop
-    goes on; anything else that raises ends the loop with `EngineDied`.
+    nothing in it needs a lock. A step the executor fails fails only the requests found to cause
+    it (the core's triage); if the core's own code raises in a step, every request in flight
+    is failed and the loop goes on; anything else that raises ends the loop with `EngineDied`.
 
     `max_waiting_requests` (None: unlimited) refuses new requests with ServerOverloadedError
     while that many are already waiting for admission.
@@ -76,8 +77,8 @@ class EngineCoreLoop:
     def _apply(self, command: Command) -> None:
         if isinstance(command, AbortRequests):
             self._abort(command.request_ids)
-        elif isinstance(command, ResetPrefixCache):
-            self.emit(PrefixCacheReset(command.ticket, self.core.reset_prefix_cache()))
+        elif isinstance(command, CallCore):
+            self.emit(CoreCallResult(command.ticket, getattr(self.core, command.method)()))
         else:
             self.emit(Accepted(command.request.request_id, self._add(command)))
 
@@ -102,17 +103,17 @@ class EngineCoreLoop:
             return
         try:
             step = self.core.step()
-        except Exception as error:  # a bug this batch hit: fail the requests, keep serving
-            logger.exception("engine step failed; aborting every request in flight")
+        except Exception as error:  # a bug in the scheduler: its state is suspect, fail everything in flight
+            logger.exception("engine step failed outside the executor; aborting every request in flight")
             message = f"the engine step failed ({error!r}); the request was aborted"
-            self._emit_outputs(None, self.core.abort_requests(self.core.unfinished_request_ids()), message)
+            aborted = self.core.abort_requests(self.core.unfinished_request_ids())
+            self._emit_outputs(None, [output._replace(error=message) for output in aborted])
             return
         if step is not None:
             self.emit(step)
 
-    def _emit_outputs(self, record: StepRecord | None, outputs: list[EngineCoreOutput],
-                      step_error: str | None = None) -> None:
-        self.emit(EngineCoreOutputs(outputs, time.time(), record, self.core.get_stats(), step_error))
+    def _emit_outputs(self, record: StepRecord | None, outputs: list[EngineCoreOutput]) -> None:
+        self.emit(EngineCoreOutputs(outputs, time.time(), record, self.core.get_stats()))
 
 
 def _take(commands: queue.SimpleQueue, block: bool) -> list[Command]:

@@ -1,6 +1,7 @@
 """The frontend's side of a new request: text (or a conversation, through the model's chat
 template) to token ids, parameters resolved and checked against the engine's limits, before
-anything reaches the engine core."""
+anything reaches the engine core. Sizes are checked against `RequestLimits` before any work is
+done for them: a prompt over the character limit is refused without being tokenized."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import time
 from typing import Any
 
+from chunkserve.config.limits import RequestLimits
 from chunkserve.config.model import ModelSource
 from chunkserve.engine.messages import EngineCoreRequest, EngineInfo
 from chunkserve.errors import InvalidRequestError
@@ -17,17 +19,24 @@ from chunkserve.sampling_params import SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, source: ModelSource, info: EngineInfo) -> None:
+    def __init__(self, tokenizer: Any, source: ModelSource, info: EngineInfo, limits: RequestLimits) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        self.limits = limits
         self.eos_token_id, self.extra_stop_ids = eos_ids(tokenizer, source)
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                priority: int = 0, arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
+                priority: int = 0, arrival_time: float | None = None,
+                cache_salt: str | None = None) -> tuple[EngineCoreRequest, str | None]:
         """The request for the core and the prompt's text (None for a token-id prompt).
-        Raises InvalidRequestError naming what is wrong."""
+        Raises InvalidRequestError naming what is wrong. `cache_salt`: only requests with the
+        same salt share prefix-cache blocks."""
+        params = params or SamplingParams()
+        self._check_sizes(params)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         text, token_ids = self._tokenize(prompt)
-        params = self._resolve_params(params or SamplingParams(), len(token_ids))
+        params = self._resolve_params(params, len(token_ids))
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -35,6 +44,7 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=priority,
+            cache_salt=cache_salt,
         )
         return request, text
 
@@ -42,6 +52,11 @@ class InputProcessor:
         """A conversation -> prompt token ids, with the model's own chat template."""
         if not messages:
             raise InvalidRequestError("messages is empty", "messages")
+        chars = sum(len(m.get("content") or "") for m in messages)
+        if chars > self.limits.max_prompt_chars:
+            raise InvalidRequestError(
+                f"messages have {chars} characters of content, over the limit of {self.limits.max_prompt_chars} "
+                "(--max-prompt-chars)", "messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead", "messages")
         try:
@@ -51,15 +66,34 @@ class InputProcessor:
             raise InvalidRequestError(f"the chat template refused the messages: {error}", "messages") from None
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
+    def _check_sizes(self, params: SamplingParams) -> None:
+        limits = self.limits
+        if len(params.stop) > limits.max_stop_sequences:
+            raise InvalidRequestError(f"stop has {len(params.stop)} strings, over the limit of "
+                                      f"{limits.max_stop_sequences} (--max-stop-sequences)", "stop")
+        longest = max((len(s) for s in params.stop), default=0)
+        if longest > limits.max_stop_sequence_chars:
+            raise InvalidRequestError(f"a stop string has {longest} characters, over the limit of "
+                                      f"{limits.max_stop_sequence_chars} (--max-stop-sequence-chars)", "stop")
+        if len(params.stop_token_ids) > limits.max_stop_token_ids:
+            raise InvalidRequestError(f"stop_token_ids has {len(params.stop_token_ids)} ids, over the limit of "
+                                      f"{limits.max_stop_token_ids} (--max-stop-token-ids)", "stop_token_ids")
+
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", "prompt")
+            if len(prompt) > self.limits.max_prompt_chars:
+                raise InvalidRequestError(f"prompt has {len(prompt)} characters, over the limit of "
+                                          f"{self.limits.max_prompt_chars} (--max-prompt-chars)", "prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
         if not prompt:
             raise InvalidRequestError("prompt is empty", "prompt")
+        if len(prompt) >= self.info.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(prompt)} tokens, but max_model_len is "
+                                      f"{self.info.max_model_len}", "prompt")
         vocab = self.info.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:

@@ -25,7 +25,8 @@ class LLMEngine:
         self.engine_core = EngineCore(args)
         self.info = self.engine_core.info(source.name)
         self.tokenizer: Any = load_tokenizer(source)
-        self.input_processor = InputProcessor(self.tokenizer, source, self.info)
+        self.input_processor = InputProcessor(self.tokenizer, source, self.info,
+                                              args.request_limits(self.info.max_model_len))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step_record: StepRecord | None = None  # of the last step(); None if it ran nothing
 

@@ -11,6 +11,7 @@ does not grow with the request's history.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from chunkserve.core.sched.output import EngineCoreOutput, SchedulerStats
 from chunkserve.engine.outputs import StepRecord
@@ -28,6 +29,7 @@ class EngineCoreRequest:
     eos_token_id: int | None
     arrival_time: float  # wall clock
     priority: int = 0
+    cache_salt: str | None = None  # namespaces the request's prefix-cache hashes
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,11 @@ class AbortRequests:
 
 
 @dataclass
-class ResetPrefixCache:
-    ticket: int  # echoed in the PrefixCacheReset event that answers it
+class CallCore:
+    """Run one of the core's queries between steps; answered by a `CoreCallResult`."""
+
+    ticket: int  # echoed in the answer
+    method: Literal["reset_prefix_cache", "check"]
 
 
 @dataclass
@@ -61,7 +66,7 @@ class Shutdown:
     """Abort whatever is in flight, answer `Stopped`, end the loop."""
 
 
-Command = AddRequest | AbortRequests | ResetPrefixCache | Shutdown
+Command = AddRequest | AbortRequests | CallCore | Shutdown
 
 
 # ----- events (core -> frontend) ------------------------------------------------------------
@@ -79,21 +84,19 @@ class Accepted:
 
 @dataclass
 class EngineCoreOutputs:
-    """A step ran (`record` set) or requests were aborted (`record` None): what each request
-    got, stamped with the wall-clock time the step ended. `step_error` set: the step failed,
-    and `outputs` are the requests it aborted because of that."""
+    """A step ran (`record` set) or requests were aborted or failed (`record` None): what each
+    request got, stamped with the wall-clock time the step ended."""
 
     outputs: list[EngineCoreOutput]
     timestamp: float
     record: StepRecord | None
     stats: SchedulerStats
-    step_error: str | None = None
 
 
 @dataclass
-class PrefixCacheReset:
+class CoreCallResult:
     ticket: int
-    reset: bool
+    result: object
 
 
 @dataclass
@@ -106,4 +109,4 @@ class Stopped:
     pass
 
 
-Event = Ready | Accepted | EngineCoreOutputs | PrefixCacheReset | EngineDied | Stopped
+Event = Ready | Accepted | EngineCoreOutputs | CoreCallResult | EngineDied | Stopped

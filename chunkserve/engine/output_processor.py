@@ -6,7 +6,12 @@ it in the core (`ProcessedOutputs.requests_to_abort`), as vLLM V1 does.
 States are keyed by the core's request id, which a frontend may make unique per request
 (`AsyncLLM` does): the core may still report a request the frontend finished (it runs ahead
 of a stop string's abort), and that late output must never reach a newer request that reuses
-the caller's id. Outputs carry the caller's id."""
+the caller's id. Outputs carry the caller's id.
+
+What an output carries follows the request's `output_kind`: everything so far (CUMULATIVE),
+only what is new (DELTA: a stream's events, so an output's size does not grow with the
+request's history), or only what is new until the last output, which carries everything
+(FINAL_ONLY: the caller keeps only the last)."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.engine.messages import EngineCoreRequest
 from chunkserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from chunkserve.errors import InvalidRequestError
+from chunkserve.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +36,8 @@ class RequestState:
     prompt_token_ids: list[int]
     detokenizer: IncrementalDetokenizer  # holds the output token ids too
     metrics: RequestMetrics
-    logprobs: list[TokenLogprobs] | None  # None unless the request asked for logprobs
+    output_kind: RequestOutputKind
+    logprobs: list[TokenLogprobs] | None  # all so far (None unless asked for, or when only deltas are sent)
 
 
 @dataclass
@@ -57,7 +64,8 @@ class OutputProcessor:
         self._states[request.request_id] = RequestState(
             external_id or request.request_id, prompt, request.prompt_token_ids,
             IncrementalDetokenizer(self.tokenizer, params), RequestMetrics(arrival_time=request.arrival_time),
-            logprobs=None if params.logprobs is None else [],
+            params.output_kind,
+            logprobs=None if params.logprobs is None or params.output_kind == RequestOutputKind.DELTA else [],
         )
 
     def has_request(self, request_id: str) -> bool:
@@ -73,6 +81,10 @@ class OutputProcessor:
         for output in outputs:
             state = self._states.get(output.request_id)
             if state is None:  # finished here already (a stop string), or never ours
+                continue
+            if output.error is not None:  # the engine failed it
+                del self._states[output.request_id]
+                processed.failed[output.request_id] = output.error
                 continue
             try:
                 processed.outputs[output.request_id] = self._process(output.request_id, state, output, timestamp,
@@ -100,9 +112,10 @@ class OutputProcessor:
             matched = detokenizer.add_tokens(output.new_token_ids)
             new_token_ids = detokenizer.token_ids[before:]
             count = len(new_token_ids)
-            if output.new_logprobs is not None and state.logprobs is not None:
+            if output.new_logprobs is not None:
                 new_logprobs = output.new_logprobs[:count]
-                state.logprobs.extend(new_logprobs)
+                if state.logprobs is not None:
+                    state.logprobs.extend(new_logprobs)
             metrics.token_times.extend([timestamp] * count)
             metrics.first_token_time = metrics.first_token_time or timestamp
             cut = count < len(output.new_token_ids)  # the stop string came before the core's own finish
@@ -115,15 +128,24 @@ class OutputProcessor:
         if finished:
             metrics.finished_time = timestamp
             del self._states[core_id]
+        kind = state.output_kind
+        # FINAL_ONLY outputs before the last are made (step observers count tokens from them) but
+        # kept small; a caller that asked for FINAL_ONLY is handed only the last
+        if kind == RequestOutputKind.DELTA or (kind == RequestOutputKind.FINAL_ONLY and not finished):
+            wants_logprobs = output.new_logprobs is not None
+            text, token_ids, logprobs = delta, new_token_ids, new_logprobs if wants_logprobs else None
+        else:
+            text, token_ids = detokenizer.emitted_text, list(detokenizer.token_ids)
+            logprobs = None if state.logprobs is None else list(state.logprobs)
         completion = CompletionOutput(
             index=0,
-            text=detokenizer.emitted_text,
-            token_ids=list(detokenizer.token_ids),
+            text=text,
+            token_ids=token_ids,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             text_delta=delta,
             new_token_ids=new_token_ids,
-            logprobs=None if state.logprobs is None else list(state.logprobs),
+            logprobs=logprobs,
             new_logprobs=new_logprobs,
         )
         return RequestOutput(

@@ -11,8 +11,8 @@ from chunkserve.core.sched.output import ForwardMode, TokenLogprobs
 @dataclass
 class CompletionOutput:
     index: int
-    text: str  # the whole output text so far
-    token_ids: list[int]  # the whole output so far
+    text: str  # the whole output text so far (only this step's, for a request whose output_kind is DELTA)
+    token_ids: list[int]  # the whole output so far (likewise)
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     text_delta: str = ""  # text added by this step (what a stream sends)

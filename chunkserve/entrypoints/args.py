@@ -43,8 +43,25 @@ class ServerArgs:
     api_key: str | None = arg(
         None, "require 'Authorization: Bearer KEY' on every endpoint but /health (default: $CHUNKSERVE_API_KEY)"
     )
+    admin_api_key: str | None = arg(
+        None, "enables the admin endpoints (/reset_prefix_cache, /debug/steps, /debug/check), which then need "
+              "'Authorization: Bearer KEY'; without it they are off (default: $CHUNKSERVE_ADMIN_API_KEY)"
+    )
     max_waiting_requests: int | None = arg(None, "answer 503 to new requests while this many are waiting")
     max_request_body_bytes: int = arg(16 * 1024 * 1024, "larger request bodies get 413")
+    max_prompts_per_request: int = arg(256, "most prompts in one /v1/completions request")
+    max_unread_outputs: int = arg(
+        1024, "a streamed request whose client leaves this many outputs unread is aborted (the client stopped "
+              "reading; counted in /metrics as chunkserve:requests_aborted_unread)"
+    )
+    request_read_timeout: float = arg(
+        30.0, "seconds a client may take to send a request's headers, and to send each part of its body, before "
+              "its connection is closed (slow-loris)"
+    )
+    restart_engine_on_failure: bool = arg(
+        False, "when the engine core process dies, start a new one (answering 503 with Retry-After meanwhile) "
+               "instead of exiting with an error for a supervisor to restart the server"
+    )
     shutdown_timeout: float = arg(
         10.0, "on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted"
     )
@@ -62,3 +79,6 @@ class ServerArgs:
             raise InvalidRequestError("max_waiting_requests must be non-negative")
         if self.max_request_body_bytes < 1:
             raise InvalidRequestError("max_request_body_bytes must be positive")
+        for name in ("max_prompts_per_request", "max_unread_outputs", "request_read_timeout"):
+            if getattr(self, name) <= 0:
+                raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}")

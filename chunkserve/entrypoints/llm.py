@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -12,7 +13,7 @@ from chunkserve.config import EngineArgs
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.engine.outputs import RequestOutput, StepRecord
 from chunkserve.errors import InvalidRequestError
-from chunkserve.sampling_params import SamplingParams
+from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -43,6 +44,8 @@ class LLM:
         list of token ids."""
         prompt_list = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        # only each request's last output is kept: the ones before it need not carry its history
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompt_list), "priority")
         request_ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
         try:

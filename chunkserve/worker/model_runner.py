@@ -1,5 +1,9 @@
 """Runs one scheduled step: update the persistent batch from the scheduler's diff
-(persistent_batch.py), build the flat batch, one forward, logits for the sampling rows, sample."""
+(persistent_batch.py), build the flat batch, one forward, logits for the sampling rows, sample.
+
+A step changes the requests' state (their token histories, their generators) only once it has
+succeeded for every row: when it raises, the engine core can void it and run it again without
+the requests at fault (`RequestFailedError` names them where the runner can tell)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import torch
 
 from chunkserve.core.kv_connector import KVConnectorWorker, NoOpConnector
 from chunkserve.core.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from chunkserve.errors import RequestFailedError
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
 from chunkserve.ops.cpp_ops import cpp_ops_for
@@ -14,13 +19,14 @@ from chunkserve.ops.model_ops import TORCH_OPS
 from chunkserve.worker.input_batch import build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_cache
 from chunkserve.worker.persistent_batch import PersistentBatch
-from chunkserve.worker.sampler import SamplingState, gather_logprobs, sample
+from chunkserve.worker.sampler import InvalidRowsError, SamplingState, gather_logprobs, sample
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int, seed: int,
                  op_backend: str = "auto", kv_connector: KVConnectorWorker | None = None) -> None:
         self.model = model
+        self.vocab_size = config.vocab_size
         self.block_size = block_size
         self.dtype = model.embed_tokens.weight.dtype
         self.kv_caches = allocate_kv_cache(config, self.dtype, num_blocks, block_size)
@@ -39,10 +45,17 @@ class ModelRunner:
         batch = self.persistent_batch
         for request_id in output.finished_request_ids:
             batch.remove(request_id)
+        invalid: dict[str, str] = {}
         for new in output.new_requests:
-            batch.add(new.request_id, self._new_state(new))
+            state, problem = self._new_state(new)
+            if new.request_id not in batch:  # else sent again after a failed step: the same request
+                batch.add(new.request_id, state)
+            if problem is not None:
+                invalid[new.request_id] = problem
         for scheduled in output.scheduled:
             batch.update_blocks(scheduled)
+        if invalid:  # raised once the diff is applied, so the batch stays in step with the scheduler
+            raise RequestFailedError("; ".join(invalid.values()), list(invalid))
         connector = self.kv_connector
         connector.bind_connector_metadata(output.kv_connector_metadata)
         result = ModelRunnerOutput(sampled_token_ids={})
@@ -71,23 +84,38 @@ class ModelRunner:
         states = [sampling[request_id] for request_id in batch.sample_request_ids]
         wants_logprobs = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         raw_logprobs = logits[wants_logprobs].log_softmax(dim=-1) if wants_logprobs else None
-        tokens = sample(logits, states, self.generator)  # modifies logits in place
-        for state, token in zip(states, tokens):
-            state.token_ids.append(token)
-        result.sampled_token_ids = {request_id: [token] for request_id, token in zip(batch.sample_request_ids, tokens)}
+        try:
+            tokens = sample(logits, states, self.generator)  # modifies logits in place
+        except InvalidRowsError as error:
+            culprits = [batch.sample_request_ids[row] for row in error.rows]
+            raise RequestFailedError("sampling failed: the request's logits, after its penalties and temperature, "
+                                     "are not a probability distribution (NaN or infinite)", culprits) from None
         if wants_logprobs:
             records = gather_logprobs(
                 raw_logprobs, [tokens[i] for i in wants_logprobs], [states[i].params.logprobs for i in wants_logprobs]
             )
             result.logprobs = {batch.sample_request_ids[i]: [r] for i, r in zip(wants_logprobs, records)}
+        for state, token in zip(states, tokens):  # the step succeeded: only now does any state change
+            state.token_ids.append(token)
+        result.sampled_token_ids = {request_id: [token] for request_id, token in zip(batch.sample_request_ids, tokens)}
 
-    @staticmethod
-    def _new_state(new: NewRequestData) -> SamplingState:
-        seed = new.sampling_params.seed
-        return SamplingState(
+    def _new_state(self, new: NewRequestData) -> tuple[SamplingState, str | None]:
+        """The request's sampler state, and what is wrong with its data, if anything (the
+        frontend checks this; a request that reaches the core another way is checked here)."""
+        problem, generator = None, None
+        tokens = new.prompt_token_ids
+        if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
+            problem = f"a prompt token id is outside the vocabulary [0, {self.vocab_size})"
+        try:
+            if new.sampling_params.seed is not None:
+                generator = torch.Generator().manual_seed(new.sampling_params.seed)
+        except (RuntimeError, TypeError, OverflowError) as error:
+            problem = f"seed {new.sampling_params.seed!r} is not usable: {error}"
+        state = SamplingState(
             params=new.sampling_params,
-            token_ids=list(new.prompt_token_ids),
-            num_prompt_tokens=len(new.prompt_token_ids),
+            token_ids=list(tokens),
+            num_prompt_tokens=len(tokens),
             eos_token_id=new.eos_token_id,
-            generator=None if seed is None else torch.Generator().manual_seed(seed),
+            generator=generator,
         )
+        return state, problem

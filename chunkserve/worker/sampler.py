@@ -27,17 +27,34 @@ class SamplingState:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
+class InvalidRowsError(ValueError):
+    """Rows whose distribution is not one (NaN or infinite logits): nothing was drawn for any row."""
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__(f"rows {rows} have no valid distribution to sample from")
+        self.rows = rows
+
+
 def sample(logits: torch.Tensor, states: list[SamplingState], default_generator: torch.Generator) -> list[int]:
-    """logits: float32 [R, vocab], one row per state -> R token ids."""
+    """logits: float32 [R, vocab], one row per state -> R token ids. Every row is checked
+    before anything is drawn, so an InvalidRowsError leaves every generator untouched and the
+    step can be retried without the rows it names."""
     _apply_penalties(logits, states)
     _mask_stops_before_min_tokens(logits, states)
     greedy = [s.params.is_greedy for s in states]
-    if all(greedy):
-        return logits.argmax(dim=-1).tolist()
     chosen = logits.argmax(dim=-1)
+    # argmax picks a NaN where a row has one, so checking the picked logits checks the greedy rows
+    bad = (~logits.gather(1, chosen.unsqueeze(1)).squeeze(1).isfinite()).tolist()
     random_rows = [i for i, g in enumerate(greedy) if not g]
-    probs = _filtered_probs(logits[random_rows], [states[i].params for i in random_rows])
-    chosen[random_rows] = _draw(probs, [states[i].generator for i in random_rows], default_generator)
+    if random_rows:
+        cdf = _filtered_probs(logits[random_rows], [states[i].params for i in random_rows]).double().cumsum(dim=-1)
+        totals = cdf[:, -1]
+        for row, valid in zip(random_rows, ((totals > 0) & totals.isfinite()).tolist()):
+            bad[row] = not valid
+    if any(bad):
+        raise InvalidRowsError([i for i, b in enumerate(bad) if b])
+    if random_rows:
+        chosen[random_rows] = _draw(cdf, [states[i].generator for i in random_rows], default_generator)
     return chosen.tolist()
 
 
@@ -87,7 +104,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
     ranks = torch.arange(vocab).unsqueeze(0)
     drop = ranks >= top_k
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype).unsqueeze(1)
@@ -97,14 +114,14 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None],
+def _draw(cdf: torch.Tensor, generators: list[torch.Generator | None],
           default_generator: torch.Generator) -> torch.Tensor:
-    """One token per row of `probs`, by inverse CDF: a uniform draw per row (from the row's own
-    generator where it has one) located in the row's cumulative sum. One random number per row
-    instead of one per vocab entry: on the CPU, exponential or multinomial noise over a 49K
-    vocab costs ~1.2 ms a row, this ~0.15 ms. The sum is float64: in float32, tokens below
-    ~1e-8 next to a likely one add nothing to it and could never be drawn."""
-    cdf = probs.double().cumsum(dim=-1)
+    """One token per row of `cdf` (each row's cumulative probabilities), by inverse CDF: a
+    uniform draw per row (from the row's own generator where it has one) located in the row's
+    cumulative sum. One random number per row instead of one per vocab entry: on the CPU,
+    exponential or multinomial noise over a 49K vocab costs ~1.2 ms a row, this ~0.15 ms. The
+    sum is float64: in float32, tokens below ~1e-8 next to a likely one add nothing to it and
+    could never be drawn."""
     totals = cdf[:, -1:]
     uniform = torch.empty(len(generators), 1, dtype=torch.float64)
     unseeded = [i for i, g in enumerate(generators) if g is None]

@@ -71,7 +71,7 @@ def test_interference_workload_fills_its_block_and_plots(server, tmp_path):
 def assert_plots(server, result_path, tmp_path) -> None:
     """`chunkserve bench plot` on the run's result and the server's steps during it: non-empty PNGs."""
     bench_start = json.loads(result_path.read_text())["bench_start"]
-    with server.client() as http:
+    with server.admin_client() as http:
         steps = http.get("/debug/steps", params={"last": 1000}).json()["steps"]
     trace_path = tmp_path / "run.jsonl"
     trace_path.write_text("".join(json.dumps(s) + "\n" for s in steps if s["start_time"] >= bench_start))

@@ -307,3 +307,32 @@ def test_stop_token_and_eos_finish_with_stop():
     scheduler.update_from_output(output, runner_output)
     assert request.status == RequestStatus.FINISHED_STOPPED
     assert_pool_free(scheduler)
+
+
+def test_requests_that_each_need_almost_the_whole_pool_do_not_thrash():
+    """Three requests each needing 63 of a 64-block pool: the hostile case that preempted 100
+    times. A preempted request comes back only when it can run to its end, so each request is
+    preempted at most once and every output is the one an ample pool gives."""
+    specs = [(f"big{i}", 4 * 40, 4 * 23 - 1) for i in range(3)]  # prompt + max_tokens = 63 blocks of 4
+    ample = run(make_scheduler(num_blocks=1000, max_num_batched_tokens=64), [make_request(*s) for s in specs])
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=64, max_model_len=4 * 64)
+    tight = run(scheduler, [make_request(*s) for s in specs])
+    assert tight == ample
+    assert scheduler.num_preemptions <= len(specs)
+
+
+def test_only_the_requests_the_engine_allows_run_and_the_rest_keep_their_place():
+    scheduler = make_scheduler(num_blocks=1000)
+    requests = [make_request(f"r{i}", 6, max_tokens=4) for i in range(4)]
+    runner = FakeRunner()
+    for request in requests:
+        scheduler.add_request(request)
+    scheduler.only = {"r1", "r3"}
+    for _ in range(6):
+        output = scheduler.schedule()
+        assert {s.request_id for s in output.scheduled} <= {"r1", "r3"}
+        scheduler.update_from_output(output, runner.execute(output))
+    assert requests[0].num_computed_tokens == 0 and requests[2].num_computed_tokens == 0
+    scheduler.only = None
+    assert run(scheduler, [], runner=runner) == {}
+    assert all(r.is_finished for r in requests)

@@ -14,7 +14,8 @@ from chunkserve.core.sched.output import EngineCoreOutput, SchedulerStats
 from chunkserve.engine.async_llm import AsyncLLM
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.engine.messages import AbortRequests, Accepted, AddRequest, EngineCoreOutputs, EngineInfo
-from chunkserve.errors import EngineDeadError, ServerOverloadedError
+from chunkserve.errors import EngineDeadError, RequestAbortedError, ServerOverloadedError
+from chunkserve.sampling_params import RequestOutputKind
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -105,6 +106,63 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(async_ll
 
     final = asyncio.run(run())
     assert final.finished and len(final.outputs[0].token_ids) == 8
+
+
+def test_a_reader_that_stops_reading_is_aborted_and_what_it_left_is_dropped(default_llm):
+    engine = AsyncLLM.from_engine(default_llm.engine, max_unread_outputs=4)
+    params = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    try:
+        async def run():
+            stream = await engine.add_request("unread", "Tell me a story", params)
+            while default_llm.engine.get_stats().num_running or engine.num_unread_aborts == 0:
+                await asyncio.sleep(0.05)  # the reader reads nothing meanwhile
+            with pytest.raises(RequestAbortedError, match="4 of its outputs were left unread"):
+                async for _ in stream:
+                    pass
+
+        asyncio.run(run())
+        assert engine.num_unread_aborts == 1
+    finally:
+        engine.shutdown()
+
+
+def test_a_cache_salt_keeps_prefixes_apart(async_llm):
+    prompt = [2000 + i for i in range(70)]  # 4 full blocks of 16
+    params = SamplingParams(max_tokens=1, temperature=0)
+
+    async def cached(request_id: str, salt: str | None) -> int:
+        stream = await async_llm.add_request(request_id, prompt, params, cache_salt=salt)
+        return [o async for o in stream][-1].num_cached_tokens
+
+    async def run():
+        return [await cached("a1", "tenant-a"), await cached("a2", "tenant-a"), await cached("b", "tenant-b"),
+                await cached("none", None)]
+
+    assert asyncio.run(run()) == [0, 64, 0, 0]
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(async_llm):
+    """Tokenizing a prompt of ~180K characters takes a while: the loop keeps running meanwhile."""
+    prompt = "All work and no play makes Jack a dull boy. " * 4000
+
+    async def run():
+        gaps, last = [], asyncio.get_running_loop().time()
+
+        async def tick():
+            nonlocal last
+            while True:
+                await asyncio.sleep(0.005)
+                now = asyncio.get_running_loop().time()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        with pytest.raises(InvalidRequestError, match="tokens, but max_model_len"):
+            await async_llm.add_request("long", prompt, GREEDY)
+        ticker.cancel()
+        return max(gaps)
+
+    assert asyncio.run(run()) < 0.1
 
 
 # ----- the engine core in a process of its own (what `chunkserve serve` runs) --------------------
@@ -216,14 +274,18 @@ class ScriptedCore:
     def join(self, timeout_s: float) -> None:
         pass
 
-    def last_added(self) -> str:
-        return [c for c in self.sent if isinstance(c, AddRequest)][-1].request.request_id
+    async def added(self, count: int) -> str:
+        """The core id of the `count`-th request added, once the frontend has sent it (it is
+        tokenized on a thread first)."""
+        while len(adds := [c for c in self.sent if isinstance(c, AddRequest)]) < count:
+            await asyncio.sleep(0.001)
+        return adds[count - 1].request.request_id
 
 
 def scripted_llm(tokenizer) -> tuple[AsyncLLM, ScriptedCore]:
     cores = []
     llm = AsyncLLM(lambda on_event: cores.append(ScriptedCore(on_event, len(tokenizer))) or cores[0],
-                   lambda: tokenizer, resolve_model(None))
+                   lambda: tokenizer, resolve_model(None), EngineArgs())
     return llm, cores[0]
 
 
@@ -241,16 +303,14 @@ def test_a_reused_id_never_gets_the_late_output_of_the_request_a_stop_string_end
 
     async def run():
         adding = asyncio.create_task(llm.add_request("a", "Hi", SamplingParams(max_tokens=50, stop=["STOP"])))
-        await asyncio.sleep(0)
-        first_id = core.last_added()
+        first_id = await core.added(1)
         core.on_event(Accepted(first_id, None))
         first = await adding
         core.on_event(step_event(EngineCoreOutput(first_id, stopping, None)))
         assert [o async for o in first][-1].outputs[0].finish_reason == "stop"
         assert AbortRequests([first_id]) in core.sent
         adding = asyncio.create_task(llm.add_request("a", "Hi", SamplingParams(max_tokens=50)))
-        await asyncio.sleep(0)
-        second_id = core.last_added()
+        second_id = await core.added(2)
         core.on_event(step_event(EngineCoreOutput(first_id, late, None, "length" if late_output_finishes else None)))
         core.on_event(Accepted(second_id, None))
         second = await adding
@@ -274,11 +334,11 @@ def test_an_output_that_cannot_be_processed_fails_its_request_alone(default_toke
 
     async def run():
         streams = {}
-        for name in ("victim", "survivor"):
+        for count, name in enumerate(("victim", "survivor"), 1):
             adding = asyncio.create_task(llm.add_request(name, "Hi", SamplingParams(max_tokens=5)))
-            await asyncio.sleep(0)
-            core.on_event(Accepted(core.last_added(), None))
-            streams[name] = (core.last_added(), await adding)
+            core_id = await core.added(count)
+            core.on_event(Accepted(core_id, None))
+            streams[name] = (core_id, await adding)
         core.on_event(step_event(EngineCoreOutput(streams["victim"][0], [13], None),
                                  EngineCoreOutput(streams["survivor"][0], [14], None, "length")))
         with pytest.raises(RuntimeError, match="injected tokenizer fault"):

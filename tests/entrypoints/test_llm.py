@@ -168,7 +168,8 @@ def test_seeded_sampling_is_reproducible_in_any_batch(default_llm):
 
 def test_abort_mid_generation_frees_everything(default_llm):
     engine = default_llm.engine
-    engine.add_request("to-abort", "Tell me a very long story about dragons.", SamplingParams(max_tokens=200))
+    story = SamplingParams(max_tokens=200, ignore_eos=True)  # never ends by itself before the abort
+    engine.add_request("to-abort", "Tell me a very long story about dragons.", story)
     engine.add_request("to-finish", "Hello", SamplingParams(max_tokens=3, ignore_eos=True))
     for _ in range(3):
         engine.step()

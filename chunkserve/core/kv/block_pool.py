@@ -9,7 +9,7 @@ they cost nothing to take back.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 
 class BlockPool:
@@ -83,6 +83,21 @@ class BlockPool:
         if self._hash_of[block_id] is None and block_hash not in self._cached:
             self._hash_of[block_id] = block_hash
             self._cached[block_hash] = block_id
+
+    def check(self, holders: Counter[int]) -> list[str]:
+        """What is inconsistent, given how many holders each block has: its reference count
+        must equal them, it must be free exactly when it has none, the cache map must agree."""
+        problems = []
+        for block_id, count in enumerate(self._ref_counts):
+            if count != holders.get(block_id, 0):
+                problems.append(f"block {block_id} has reference count {count} but {holders.get(block_id, 0)} holders")
+            is_free = block_id in self._free
+            if (count == 0) != is_free:
+                problems.append(f"block {block_id} (reference count {count}) is {'' if is_free else 'not '}in the free list")
+        for block_hash, block_id in self._cached.items():
+            if self._hash_of[block_id] != block_hash:
+                problems.append(f"block {block_id} is cached under a hash it does not hold")
+        return problems
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self._cached.get(block_hash)

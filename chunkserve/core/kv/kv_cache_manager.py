@@ -9,8 +9,10 @@ Token position p of a request lives in KV slot
 
 Prefix caching (vLLM V1's scheme): a full block is named by a hash chain, SHA-256 over its
 parent block's hash and its own token ids, so equal hashes mean equal whole prefixes and
-a crafted prompt cannot collide with another user's prefix to read its KV. (Whether a
-prefix is cached does show, in `cached_tokens` and in TTFT: there is no per-tenant salt.) A new request
+a crafted prompt cannot collide with another user's prefix to read its KV. Whether a
+prefix is cached does show (in `cached_tokens` and in TTFT), so a request may carry a
+`cache_salt` (vLLM's field): it seeds the chain instead of the empty root, and requests
+with different salts, or with a salt and without, never share a block. A new request
 takes the longest run of cached blocks that starts its tokens and computes the rest; blocks
 are registered in the cache as their last token's KV is computed (a chunked prompt's earlier
 chunks become reusable while it is still prefilling).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import Counter
 from collections.abc import Sequence
 
 from chunkserve.core.kv.block_pool import BlockPool
@@ -30,6 +33,13 @@ ROOT_HASH = b""  # the parent of a request's first block
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent of a request's first block: empty, or its salt's own hash."""
+    if cache_salt is None:
+        return ROOT_HASH
+    return hashlib.sha256(b"cache_salt:" + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -115,7 +125,7 @@ class KVCacheManager:
             size = self.block_size
             end = num_blocks * size
             tokens = request.prompt_token_ids if end <= request.num_prompt_tokens else request.all_token_ids
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
             for i in range(len(hashes), num_blocks):
                 parent = hash_block(parent, tokens[i * size : (i + 1) * size])
                 hashes.append(parent)
@@ -177,6 +187,11 @@ class KVCacheManager:
         self._num_registered.pop(request_id, None)
         self._block_hashes.pop(request_id, None)
         return table
+
+    def check(self, detached: list[list[int]]) -> list[str]:
+        """The pool's consistency with every block table and the `detached` tables still held."""
+        holders = Counter(b for table in [*self._block_tables.values(), *detached] for b in table)
+        return self.pool.check(holders)
 
     def free_blocks(self, block_ids: list[int]) -> None:
         """Release blocks taken with `detach`, the last first (as `free`)."""

@@ -131,6 +131,7 @@ class EngineCoreOutput(NamedTuple):
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache at first admission
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # wall clock of the step that first scheduled it
+    error: str | None = None  # set when the engine failed the request (finish_reason "abort"): why
 
     @property
     def finished(self) -> bool:

@@ -20,7 +20,10 @@ becomes cacheable once its tokens are computed and verified.
 When the pool runs dry while growing a running request, a running request is preempted:
 its blocks are released, its computed count is reset and it waits at the head of the queue;
 its output tokens are kept and recomputed (from its own blocks, if the prefix cache still
-holds them).
+holds them). Admission avoids thrash: a new request leaves one block per running request
+free (what their next tokens may need), and a preempted request comes back only when the pool
+can hold it to its `max_tokens` (or nothing else runs), instead of being admitted and
+preempted over and over.
 
 After the step, `update_from_output` advances each request by what was computed, rolls back
 the drafts the model rejected, appends the accepted tokens and applies the token-level stops,
@@ -75,6 +78,9 @@ class Scheduler:
         self._remote_kv_tokens: dict[str, int] = {}  # computed tokens once the connector's load lands
         # finished requests' blocks, held until the connector has sent them (oldest first per id)
         self._sending: dict[str, deque[list[int]]] = {}
+        # while the engine searches for the request that makes steps fail, only these run (the others
+        # keep their blocks and wait); None: every request may run
+        self.only: set[str] | None = None
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens of requests admitted for the first time (cumulative)
         self.prefix_cache_hits = 0  # of those, found in the prefix cache
@@ -128,6 +134,15 @@ class Scheduler:
             prefix_cache_hits_total=self.prefix_cache_hits,
         )
 
+    def check(self) -> list[str]:
+        """What is inconsistent between the queues, the requests and the KV pool (for the
+        engine's self-check: every block held by a live request or free)."""
+        problems = self.kv.check([table for tables in self._sending.values() for table in tables])
+        queued = [r.request_id for r in [*self.waiting, *self.running]]
+        if sorted(queued) != sorted(self.requests):
+            problems.append(f"{len(self.requests)} requests known but {len(queued)} queued")
+        return problems
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any request is unfinished."""
         return not self.has_unfinished_requests() and self.kv.reset_prefix_cache()
@@ -162,6 +177,16 @@ class Scheduler:
         )
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
+
+    def void_step(self, output: SchedulerOutput) -> None:
+        """The step failed: nothing it scheduled was computed (the counters were never
+        advanced), and the worker may or may not have applied its diffs, so what it carried
+        is sent again: new requests as new, block tables whole, finished requests again."""
+        for new in output.new_requests:
+            self._known_to_worker.discard(new.request_id)
+        for scheduled in output.scheduled:
+            self._blocks_sent.pop(scheduled.request_id, None)
+        self._finished_since_last_step |= output.finished_request_ids
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance the counters by what was computed and verified, append accepted tokens,
@@ -208,7 +233,7 @@ class Scheduler:
     # ----- the three phases -----------------------------------------------------------
 
     def _schedule_decodes(self, step: StepBuilder) -> None:
-        decoding = [r for r in self.running if r.is_decoding and not step.is_taken(r.request_id)]
+        decoding = [r for r in self.running if r.is_decoding and not step.is_taken(r.request_id) and self._may_run(r)]
         for index, request in enumerate(decoding):
             if step.is_taken(request.request_id):  # preempted for an earlier one
                 continue
@@ -220,8 +245,9 @@ class Scheduler:
 
     def _schedule_prefills(self, step: StepBuilder) -> None:
         """Prompts in progress, then waiting ones, in the admission policy's order."""
-        in_progress = [r for r in self.running if not r.is_decoding and not step.is_taken(r.request_id)]
-        waiting = (r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
+        in_progress = [r for r in self.running
+                       if not r.is_decoding and not step.is_taken(r.request_id) and self._may_run(r)]
+        waiting = (r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS and self._may_run(r))
         admitting = True
         for request in self.admission.order(in_progress, waiting, step.now):
             if step.is_taken(request.request_id):  # preempted for an earlier one: it waits
@@ -242,7 +268,12 @@ class Scheduler:
         if num_external and load_async:
             return self._await_remote_kv(request, cached_blocks, num_cached + num_external)
         start = num_cached + num_external
-        kv_room = self.kv.num_available_blocks(cached_blocks) * self.config.block_size
+        available = self.kv.num_available_blocks(cached_blocks)
+        if request.num_preemptions and self.running and available < self.kv.num_blocks_for(
+                request.num_prompt_tokens + request.max_tokens):
+            return Admission.STOP  # it would only be preempted again: back when it can run to the end
+        # the blocks running requests may take in this step are not the new request's to take
+        kv_room = (available - len(self.running)) * self.config.block_size
         chunk = self.chunking.chunk(request, start, kv_room - start, step)
         if chunk.num_tokens == 0:
             return Admission.STOP
@@ -302,6 +333,9 @@ class Scheduler:
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
                    self.config.max_model_len - request.num_tokens)
         return request.spec_token_ids[: max(room, 0)]
+
+    def _may_run(self, request: Request) -> bool:
+        return self.only is None or request.request_id in self.only
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING

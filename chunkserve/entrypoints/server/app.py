@@ -3,7 +3,10 @@
 The engine loads before the port opens, so a client that sees the port answering can be
 served. On SIGINT/SIGTERM uvicorn stops accepting connections and lets in-flight requests
 finish for `--shutdown-timeout` seconds; whatever is still running is then aborted, the
-engine core stops and the process exits 0.
+engine core stops and the process exits 0. If the engine core dies instead, its requests
+fail at once and the server exits 1, so a supervisor restarts it (vLLM's behaviour); with
+`--restart-engine-on-failure` it starts a new engine core and answers 503 with Retry-After
+meanwhile.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -26,21 +30,38 @@ from starlette.exceptions import HTTPException
 from chunkserve.config.engine import EngineArgs
 from chunkserve.engine.async_llm import AsyncLLM
 from chunkserve.entrypoints.args import ServerArgs
+from chunkserve.entrypoints.server.http_protocol import header_timeout_protocol
 from chunkserve.entrypoints.server.metrics import EngineMetrics
-from chunkserve.entrypoints.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
-from chunkserve.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
+from chunkserve.entrypoints.server.middleware import (
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+)
+from chunkserve.entrypoints.server.openapi import document_request_bodies
+from chunkserve.entrypoints.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    error_body,
+)
 from chunkserve.entrypoints.server.serving import Serving
 from chunkserve.entrypoints.server.trace import StepTraceWriter
-from chunkserve.errors import EngineDeadError, InvalidRequestError, ServerOverloadedError
+from chunkserve.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    ServerOverloadedError,
+)
 from chunkserve.version import VERSION
 
 logger = logging.getLogger(__name__)
 MAX_VALIDATION_ERRORS = 3
 SHUTDOWN_BACKSTOP_S = 5.0  # after the grace period and the aborts, uvicorn cancels what is left
+ENGINE_DEATH_SHUTDOWN_S = 3.0  # a dead engine's requests have failed already: the server exits quickly
+RESTART_RETRY_AFTER_S = "10"  # what a client is told to wait while a new engine core loads
+ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/debug/steps", "/debug/check"})
 
 
 def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: ServerArgs) -> FastAPI:
-    serving = Serving(engine, model_name)
+    serving = Serving(engine, model_name, args.max_prompts_per_request)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -48,7 +69,7 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
         engine.shutdown()  # aborts whatever the graceful-shutdown window left running
 
     app = FastAPI(title="chunkserve", version=VERSION, lifespan=lifespan)
-    _add_error_handlers(app)
+    _add_error_handlers(app, RESTART_RETRY_AFTER_S if args.restart_engine_on_failure else None)
 
     # Bodies are parsed here rather than by FastAPI so that any Content-Type is read as JSON
     # (curl -d sends form-encoded) and every parse error becomes one OpenAI error body.
@@ -82,6 +103,7 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
 
     @app.get("/metrics")
     async def prometheus_metrics():
+        metrics.observe_frontend(engine.num_unread_aborts)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/reset_prefix_cache")
@@ -98,10 +120,19 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
         records = list(engine.step_records)[-last:]  # list() of a deque is atomic under the GIL
         return {"steps": [record.to_dict() for record in records]}
 
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
-    api_key = args.api_key or os.environ.get("CHUNKSERVE_API_KEY")
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # outermost: checked before the body is read
+    @app.get("/debug/check")
+    async def debug_check():
+        """The engine's self-check: ok when idle with every KV block free or cached and no request left."""
+        return await engine.check()
+
+    document_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                                  "/generate": GenerateRequest})
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes,
+                       read_timeout_s=args.request_read_timeout)
+    app.add_middleware(  # outermost: checked before the body is read
+        ApiKeyMiddleware, api_key=args.api_key or os.environ.get("CHUNKSERVE_API_KEY") or None,
+        admin_api_key=args.admin_api_key or os.environ.get("CHUNKSERVE_ADMIN_API_KEY") or None,
+        admin_paths=ADMIN_PATHS)
     return app
 
 
@@ -110,7 +141,8 @@ def _error(status: int, message: str, error_type: str, param: str | None = None,
     return JSONResponse(error_body(message, error_type, status, param), status_code=status, headers=headers)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, retry_after_dead: str | None) -> None:
+    """`retry_after_dead`: the Retry-After of a 503 while the engine is dead (it is being restarted)."""
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, error: InvalidRequestError):
         return _error(400, str(error), "invalid_request_error", error.param)
@@ -127,7 +159,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, error: EngineDeadError):
-        return _error(503, str(error), "service_unavailable")
+        headers = {"Retry-After": retry_after_dead} if retry_after_dead else None
+        return _error(503, str(error), "service_unavailable", headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException):
@@ -175,8 +208,9 @@ class _GracefulServer(uvicorn.Server):
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
+    multiprocess = not server_args.disable_frontend_multiprocessing
     engine = AsyncLLM.from_engine_args(engine_args, max_waiting_requests=server_args.max_waiting_requests,
-                                       multiprocess=not server_args.disable_frontend_multiprocessing)
+                                       multiprocess=multiprocess, max_unread_outputs=server_args.max_unread_outputs)
     model_name = server_args.served_model_name or engine.info.model_name
     metrics = EngineMetrics(model_name)
     engine.observers.append(metrics.observe)
@@ -187,17 +221,41 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     config = uvicorn.Config(
         app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
         timeout_graceful_shutdown=server_args.shutdown_timeout + SHUTDOWN_BACKSTOP_S,
-        access_log=server_args.log_level == "debug",
+        access_log=server_args.log_level == "debug", http=header_timeout_protocol(server_args.request_read_timeout),
     )
+    server = _GracefulServer(config, engine, server_args.shutdown_timeout)
+    failed = False
+
+    def on_engine_death(reason: str) -> None:
+        nonlocal failed
+        if server_args.restart_engine_on_failure and multiprocess:
+            logger.error("the engine core died (%s); starting a new one (requests get 503 meanwhile)", reason)
+            try:
+                engine.restart()
+                logger.info("the new engine core is serving")
+                return
+            except Exception:
+                logger.exception("the engine core could not be restarted")
+        else:
+            logger.error("the engine core died (%s); the server exits so that its supervisor can restart it "
+                         "(--restart-engine-on-failure restarts the engine core instead)", reason)
+        failed = True
+        server.config.timeout_graceful_shutdown = ENGINE_DEATH_SHUTDOWN_S
+        server.should_exit = True
+
+    engine.on_engine_death = on_engine_death
     # uvicorn re-raises the signal it stopped on once it is done; a handler that only
     # returns lets the process end normally (exit 0) after the graceful shutdown.
     for stop_signal in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop_signal, lambda *_: None)
     logger.info("serving %s on http://%s:%d", model_name, server_args.host, server_args.port)
     try:
-        _GracefulServer(config, engine, server_args.shutdown_timeout).run()
+        server.run()
     finally:
         engine.shutdown()
         if trace is not None:
             trace.close()
+    if failed:
+        logger.error("server stopped: the engine core died")
+        sys.exit(1)
     logger.info("server stopped")

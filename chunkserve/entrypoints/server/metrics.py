@@ -80,6 +80,9 @@ class EngineMetrics:
         self.prefill_wait_guards = counter(
             "prefill_wait_guards", "Steps where a prompt got tokens past the TBT SLO after waiting "
             "--max-prefill-wait-ms").labels(**labels)
+        self.requests_aborted_unread = counter(
+            "requests_aborted_unread", "Streamed requests aborted because their client left "
+            "--max-unread-outputs outputs unread").labels(**labels)
         self._totals_seen: dict[Counter, int] = {}
 
     def observe(self, record: StepRecord | None, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
@@ -96,6 +99,10 @@ class EngineMetrics:
         self._count_up_to(self.num_preemptions, stats.num_preemptions_total)
         self._count_up_to(self.prefix_cache_queries, stats.prefix_cache_queries_total)
         self._count_up_to(self.prefix_cache_hits, stats.prefix_cache_hits_total)
+
+    def observe_frontend(self, num_unread_aborts: int) -> None:
+        """The frontend's own totals (read when /metrics is rendered)."""
+        self._count_up_to(self.requests_aborted_unread, num_unread_aborts)
 
     def _count_up_to(self, counter: Counter, total: int) -> None:
         """Advance a counter to the engine's running total."""

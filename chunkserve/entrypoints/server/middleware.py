@@ -1,11 +1,13 @@
-"""ASGI guards in front of every route: an API key, and a cap on the request body size.
+"""ASGI guards in front of every route: API keys (a separate one for admin endpoints), and a
+cap on the request body's size and on how long its upload may stall.
 
-Both are plain ASGI (not Starlette's BaseHTTPMiddleware) so streamed responses pass through
+All are plain ASGI (not Starlette's BaseHTTPMiddleware) so streamed responses pass through
 untouched and a refused request is answered before its body is parsed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from collections.abc import Awaitable, Callable
@@ -15,6 +17,7 @@ from chunkserve.entrypoints.server.protocol import error_body
 
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 OPEN_PATHS = frozenset({"/health"})
+CLOSE_HEADER = (b"connection", b"close")
 
 
 async def send_error(send: Callable, status: int, message: str, error_type: str,
@@ -28,29 +31,81 @@ async def send_error(send: Callable, status: int, message: str, error_type: str,
     await send({"type": "http.response.body", "body": body})
 
 
-class ApiKeyMiddleware:
-    """Every path but /health needs `Authorization: Bearer <key>`."""
+def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The token of the first `Authorization: Bearer <token>` header, or None.
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    The scheme is case-insensitive (RFC 7235 §2.1), and clients differ in how they space it.
+    """
+    for name, value in headers:
+        if name == b"authorization":
+            parts = value.split(maxsplit=1)
+            return parts[1].strip() if len(parts) == 2 and parts[0].lower() == b"bearer" else None
+    return None
+
+
+def route_path(scope: dict) -> str:
+    """The path the router matches: uvicorn puts `root_path` in front of it, and an admin path
+    that only matched without the prefix would slip past the admin key."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
+class ApiKeyMiddleware:
+    """/health is open; `admin_paths` need the admin key (and answer 404 while there is none);
+    every other path needs the API key when one is set.
+
+    The API key does not open admin paths: it is handed to every client, while the admin
+    endpoints act on the whole server (they reset caches, show other users' request traces).
+    An empty key counts as no key, as an empty CHUNKSERVE_API_KEY always has.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None,
+                 admin_paths: frozenset[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.api_key = api_key.encode() if api_key else None
+        self.admin_api_key = admin_api_key.encode() if admin_api_key else None
+        self.admin_paths = admin_paths
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not secrets.compare_digest(given, self.expected):
-            return await send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+        path = route_path(scope)
+        if path in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        if path in self.admin_paths:
+            if self.admin_api_key is None:
+                return await send_error(send, 404, f"{path} is an admin endpoint, and admin endpoints are disabled: "
+                                                   "start the server with --admin-api-key to enable them",
+                                        "not_found_error")
+            expected, which = self.admin_api_key, "admin API key"
+        elif self.api_key is not None:
+            expected, which = self.api_key, "API key"
+        else:
+            return await self.app(scope, receive, send)
+        given = bearer_token(scope["headers"])
+        # compare_digest takes as long whatever the key's first wrong byte: no timing oracle.
+        if given is None or not secrets.compare_digest(given, expected):
+            return await send_error(send, 401, f"missing or wrong {which}: send 'Authorization: Bearer <key>'",
                                     "authentication_error", [(b"www-authenticate", b"Bearer")])
         await self.app(scope, receive, send)
 
 
 class BodySizeLimitMiddleware:
-    """Refuse a body over `max_bytes` with 413: by its Content-Length, or while it arrives."""
+    """Read the whole body before the route runs, and refuse it with 413 when it is over
+    `max_bytes` (by its Content-Length, or while it arrives: a chunked upload has none), or
+    with 408 when a part of it takes over `read_timeout_s` to arrive (a client that stalls
+    would otherwise hold its connection and the route's task forever).
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    A client that disconnects mid-upload is nobody's error: the request ends without a
+    response or a log line.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float) -> None:
+        if read_timeout_s <= 0:
+            raise ValueError(f"read_timeout_s must be positive, got {read_timeout_s}")
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -60,11 +115,16 @@ class BodySizeLimitMiddleware:
             return await self._refuse(send)
         messages: list[dict[str, Any]] = []
         size = 0
-        while True:  # read the whole body first: a chunked upload has no Content-Length
-            message = await receive()
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except asyncio.TimeoutError:
+                # Connection: close, or the server would wait on the rest of the body for the next request.
+                return await send_error(send, 408, f"the request body stalled: no part of it arrived within "
+                                                   f"{self.read_timeout_s:g} s", "timeout_error", [CLOSE_HEADER])
+            if message["type"] == "http.disconnect":
+                return
             messages.append(message)
-            if message["type"] != "http.request":
-                break
             size += len(message.get("body", b""))
             if size > self.max_bytes:
                 return await self._refuse(send)

@@ -1,21 +1,39 @@
 """Request bodies of the HTTP API (OpenAI's and SGLang's field names) and their mapping to
-SamplingParams. Pydantic checks the types; SamplingParams checks the values."""
+SamplingParams. Pydantic checks them strictly where they enter, naming the body's own field
+in its message: no coercion (`"4"` is not a number, `true` and `1.0` are not token ids), no
+NaN or infinity, every number in its range. SamplingParams checks the values again for the
+offline API, and the input processor checks sizes against the server's limits."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from chunkserve.errors import InvalidRequestError
-from chunkserve.sampling_params import SamplingParams
+from chunkserve.sampling_params import (
+    MAX_LOGPROBS,
+    REPETITION_PENALTY_RANGE,
+    SEED_RANGE,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 TokenIds = list[int]
+Seed = Annotated[int, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=-1)]
+Temperature = Annotated[float, Field(ge=0.0)]
+MaxTokens = Annotated[int, Field(ge=1)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class _Body(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do: clients send extras.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -26,23 +44,24 @@ class _OpenAISampling(_Body):
     """The sampling fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Annotated[int, Field(ge=-(2**63), lt=2**63)] = 0
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # requests share cached prefixes only within a salt
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.n != 1:
@@ -55,7 +74,8 @@ class _OpenAISampling(_Body):
         return SamplingParams(
             max_tokens=max_tokens, seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-            logprobs=logprobs, **{name: value for name, value in given.items() if value is not None},
+            logprobs=logprobs, output_kind=output_kind(self.stream),
+            **{name: value for name, value in given.items() if value is not None},
         )
 
     @property
@@ -65,8 +85,8 @@ class _OpenAISampling(_Body):
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: MaxTokens | None = 16
+    logprobs: NumLogprobs | None = None
     echo: bool = False
 
     def prompts(self) -> list[str | TokenIds]:
@@ -97,10 +117,10 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
 
     def chat_sampling_params(self) -> SamplingParams:
@@ -114,28 +134,28 @@ class ChatCompletionRequest(_OpenAISampling):
 class GenerateSamplingParams(_Body):
     """SGLang's `sampling_params` object."""
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    max_new_tokens: MaxTokens = 128
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: Probability = 0.0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
-    min_new_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    min_new_tokens: Annotated[int, Field(ge=0)] = 0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
     skip_special_tokens: bool = True
-    sampling_seed: int | None = None
+    sampling_seed: Seed | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, stream: bool) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, min_tokens=self.min_new_tokens, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            skip_special_tokens=self.skip_special_tokens, seed=self.sampling_seed,
+            skip_special_tokens=self.skip_special_tokens, seed=self.sampling_seed, output_kind=output_kind(stream),
         )
 
 
@@ -146,12 +166,18 @@ class GenerateRequest(_Body):
     input_ids: TokenIds | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
-    rid: str | None = None
+    rid: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     def prompt(self) -> str | TokenIds:
         if (self.text is None) == (self.input_ids is None):
             raise InvalidRequestError("give exactly one of text and input_ids", "text")
         return self.text if self.text is not None else self.input_ids
+
+
+def output_kind(stream: bool) -> RequestOutputKind:
+    """A stream sends what is new at each step; a plain response is built from the last output."""
+    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
 
 
 def error_body(message: str, error_type: str, code: int, param: str | None = None) -> dict[str, Any]:

@@ -36,20 +36,23 @@ def sse(payload: Event | str) -> str:
     return f"data: {data}\n\n"
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+def usage(outputs: list[RequestOutput], completion_tokens: int | None = None) -> dict[str, Any]:
     """OpenAI's usage object; `prompt_tokens_details.cached_tokens` counts the prompt tokens
-    read from the prefix cache."""
+    read from the prefix cache. `completion_tokens`: counted by a stream (its outputs carry
+    only what was new), else the outputs' own."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if completion_tokens is None:
+        completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class Serving:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, max_prompts_per_request: int) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.max_prompts_per_request = max_prompts_per_request
         self.tokenizer = engine.tokenizer
         self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: self.tokenizer.decode([t]))
 
@@ -62,11 +65,14 @@ class Serving:
     async def completions(self, body: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         self.check_model(body.model)
         prompts = body.prompts()
+        if len(prompts) > self.max_prompts_per_request:
+            raise InvalidRequestError(f"prompt has {len(prompts)} prompts, over the limit of "
+                                      f"{self.max_prompts_per_request} (--max-prompts-per-request)", "prompt")
         if body.echo and body.logprobs is not None:
             raise InvalidRequestError("echo together with logprobs is not supported", "echo")
         params = body.sampling_params(body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._add_all(request_id, prompts, params, body.priority)
+        streams = await self._add_all(request_id, prompts, params, body.priority, body.cache_salt)
         head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         echoes = [self._prompt_text(p) if body.echo else "" for p in prompts]
 
@@ -85,8 +91,10 @@ class Serving:
 
         async def events() -> AsyncIterator[str]:
             finals: dict[int, RequestOutput] = {}
+            generated = 0
             async for index, output in _merge(streams):
                 completion = output.outputs[0]
+                generated += len(completion.new_token_ids)
                 text = echoes[index] + completion.text_delta
                 echoes[index] = ""
                 logprobs = completion.new_logprobs if params.logprobs is not None else None
@@ -94,7 +102,7 @@ class Serving:
                 if output.finished:
                     finals[index] = output
             if body.include_usage:
-                yield sse({**head, "choices": [], "usage": usage(list(finals.values()))})
+                yield sse({**head, "choices": [], "usage": usage(list(finals.values()), generated)})
             yield sse("[DONE]")
 
         return _event_stream(events(), streams)
@@ -104,10 +112,10 @@ class Serving:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         self.check_model(body.model)
         messages = [m.as_template_message() for m in body.messages]
-        prompt = self.engine.input_processor.apply_chat_template(messages, body.add_generation_prompt)
         params = body.chat_sampling_params()
+        prompt = await self.engine.apply_chat_template(messages, body.add_generation_prompt)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._add_all(request_id, [prompt], params, body.priority)
+        streams = await self._add_all(request_id, [prompt], params, body.priority, body.cache_salt)
         created = int(time.time())
 
         def logprobs_of(records: list[TokenLogprobs] | None) -> Event | None:
@@ -132,9 +140,10 @@ class Serving:
             yield sse({**head, "choices": [
                 {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             ]})
-            final = None
+            final, generated = None, 0
             async for _, output in _merge(streams):
                 completion = output.outputs[0]
+                generated += len(completion.new_token_ids)
                 logprobs = logprobs_of(completion.new_logprobs if params.logprobs is not None else None)
                 yield sse({**head, "choices": [{
                     "index": 0, "delta": {"content": completion.text_delta}, "logprobs": logprobs,
@@ -142,7 +151,7 @@ class Serving:
                 }]})
                 final = output
             if body.include_usage and final is not None:
-                yield sse({**head, "choices": [], "usage": usage([final])})
+                yield sse({**head, "choices": [], "usage": usage([final], generated)})
             yield sse("[DONE]")
 
         return _event_stream(events(), streams)
@@ -152,17 +161,18 @@ class Serving:
     async def generate(self, body: GenerateRequest, raw: Request) -> JSONResponse | StreamingResponse:
         prompt = body.prompt()
         request_id = body.rid or f"gen-{uuid.uuid4().hex}"
-        streams = await self._add_all(request_id, [prompt], body.sampling_params.to_sampling_params(), 0)
+        streams = await self._add_all(request_id, [prompt], body.sampling_params.to_sampling_params(body.stream), 0,
+                                      body.cache_salt)
 
-        def result(output: RequestOutput) -> Event:
+        def result(output: RequestOutput, text: str, token_ids: list[int]) -> Event:
             completion = output.outputs[0]
             metrics = output.metrics
             end = metrics.finished_time if output.finished else time.time()
             return {
-                "text": completion.text, "output_ids": list(completion.token_ids),
+                "text": text, "output_ids": token_ids,
                 "meta_info": {
                     "id": request_id, "prompt_tokens": len(output.prompt_token_ids),
-                    "completion_tokens": len(completion.token_ids),
+                    "completion_tokens": len(token_ids),
                     "cached_tokens": output.num_cached_tokens,
                     "finish_reason": _sglang_finish_reason(completion) if output.finished else None,
                     "e2e_latency": end - metrics.arrival_time,
@@ -171,11 +181,14 @@ class Serving:
 
         if not body.stream:
             (output,) = await _unless_disconnected(raw, _collect(streams))
-            return JSONResponse(result(output))
+            return JSONResponse(result(output, output.outputs[0].text, list(output.outputs[0].token_ids)))
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[str]:  # SGLang streams the whole text so far in every event
+            text, token_ids = "", []
             async for _, output in _merge(streams):
-                yield sse(result(output))
+                text += output.outputs[0].text_delta
+                token_ids += output.outputs[0].new_token_ids
+                yield sse(result(output, text, list(token_ids)))
             yield sse("[DONE]")
 
         return _event_stream(events(), streams)
@@ -183,13 +196,14 @@ class Serving:
     # ----- helpers ----------------------------------------------------------------------------
 
     async def _add_all(self, request_id: str, prompts: list[str | TokenIds], params: SamplingParams,
-                       priority: int) -> list[RequestStream]:
+                       priority: int, cache_salt: str | None) -> list[RequestStream]:
         """Add every prompt of a request, or none: a refused one aborts those already added."""
         streams: list[RequestStream] = []
         try:
             for index, prompt in enumerate(prompts):
                 suffix = f"-{index}" if len(prompts) > 1 else ""
-                streams.append(await self.engine.add_request(request_id + suffix, prompt, params, priority))
+                streams.append(await self.engine.add_request(request_id + suffix, prompt, params, priority,
+                                                             cache_salt=cache_salt))
         except BaseException:
             for stream in streams:
                 stream.abort()
@@ -229,11 +243,16 @@ def _sglang_finish_reason(completion: Any) -> Event:
 
 
 async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
-    """Each stream's final output, in order."""
+    """Each stream's final output, in order. If this is cancelled (the client hung up) or
+    fails, every stream is aborted, not only the one being read."""
     finals: dict[int, RequestOutput] = {}
-    async for index, output in _merge(streams):
-        if output.finished:
-            finals[index] = output
+    try:
+        async for index, output in _merge(streams):
+            if output.finished:
+                finals[index] = output
+    finally:
+        for stream in streams:
+            stream.abort()
     return [finals[i] for i in range(len(streams))]
 
 

@@ -4,8 +4,10 @@ running request at a time, at most one waiting."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -56,3 +58,60 @@ def test_overload_gets_503_and_sigterm_exits_cleanly(small_server):
         assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("length", "abort")
     log = open(small_server.log_path).read()
     assert "Traceback" not in log and "server stopped" in log
+
+
+def engine_process_of(server) -> int:
+    """The pid of the server's engine-core process (its child running the model)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == server.process.pid:
+                children.append(int(entry))
+    engines = [pid for pid in children if "spawn" in open(f"/proc/{pid}/cmdline").read()]
+    assert len(engines) == 1, children
+    return engines[0]
+
+
+def test_a_dead_engine_fails_its_requests_and_the_server_exits_non_zero(tmp_path_factory):
+    server = start_server(tmp_path_factory, "--shutdown-timeout", "2", name="dying-server")
+    try:
+        received: list[str] = []
+        thread = stream_in_background(server, received)
+        server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 1)
+        os.kill(engine_process_of(server), signal.SIGKILL)
+        started = time.monotonic()
+        assert server.process.wait(timeout=30) == 1
+        assert time.monotonic() - started < 15
+        thread.join(10)
+        assert any('"error"' in line for line in received) and received[-1] == "data: [DONE]"
+        log = open(server.log_path).read()
+        assert "the engine core died" in log and "--restart-engine-on-failure" in log
+    finally:
+        stop_server(server)
+
+
+def test_with_restart_on_failure_a_new_engine_serves_after_503s(tmp_path_factory):
+    server = start_server(tmp_path_factory, "--restart-engine-on-failure", name="restarting-server")
+    try:
+        os.kill(engine_process_of(server), signal.SIGKILL)
+        with server.client() as http:
+            deadline = time.monotonic() + 20
+            while (refused := http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status_code == 200:
+                assert time.monotonic() < deadline, "the dead engine was never noticed"
+                time.sleep(0.05)
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "10"
+            deadline = time.monotonic() + 120
+            while http.get("/health").status_code != 200:
+                assert time.monotonic() < deadline, "the engine core never came back"
+                assert server.process.poll() is None
+                time.sleep(0.25)
+            served = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
+        assert "the new engine core is serving" in open(server.log_path).read()
+    finally:
+        stop_server(server)
