@@ -1,5 +1,6 @@
-"""Overload (503 with Retry-After) and a clean SIGTERM, on a server of their own: one
-running request at a time, at most one waiting."""
+"""The server's life on servers of their own: overload (503 with Retry-After) and a clean
+SIGTERM (one running request at a time, at most one waiting), and an engine core killed under
+load: the server exits 1 at once, or with --restart-engine-on-failure serves again."""
 
 from __future__ import annotations
 
