@@ -29,6 +29,8 @@ from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import SamplingParams
 
 Event = dict[str, Any]
+# SGLang's names in /generate's sampling_params for SamplingParams' fields
+GENERATE_FIELDS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed"}
 
 
 def sse(payload: Event | str) -> str:
@@ -115,7 +117,9 @@ class Serving:
         params = body.chat_sampling_params()
         prompt = await self.engine.apply_chat_template(messages, body.add_generation_prompt)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._add_all(request_id, [prompt], params, body.priority, body.cache_salt)
+        given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        streams = await self._add_all(request_id, [prompt], params, body.priority, body.cache_salt,
+                                      {"max_tokens": given, "logprobs": "top_logprobs"})
         created = int(time.time())
 
         def logprobs_of(records: list[TokenLogprobs] | None) -> Event | None:
@@ -162,7 +166,7 @@ class Serving:
         prompt = body.prompt()
         request_id = body.rid or f"gen-{uuid.uuid4().hex}"
         streams = await self._add_all(request_id, [prompt], body.sampling_params.to_sampling_params(body.stream), 0,
-                                      body.cache_salt)
+                                      body.cache_salt, GENERATE_FIELDS)
 
         def result(output: RequestOutput, text: str, token_ids: list[int]) -> Event:
             completion = output.outputs[0]
@@ -196,14 +200,23 @@ class Serving:
     # ----- helpers ----------------------------------------------------------------------------
 
     async def _add_all(self, request_id: str, prompts: list[str | TokenIds], params: SamplingParams,
-                       priority: int, cache_salt: str | None) -> list[RequestStream]:
-        """Add every prompt of a request, or none: a refused one aborts those already added."""
+                       priority: int, cache_salt: str | None,
+                       field_names: dict[str, str] | None = None) -> list[RequestStream]:
+        """Add every prompt of a request, or none: a refused one aborts those already added.
+        `field_names`: the body's names of SamplingParams' fields, for a refusal's message."""
         streams: list[RequestStream] = []
         try:
             for index, prompt in enumerate(prompts):
                 suffix = f"-{index}" if len(prompts) > 1 else ""
                 streams.append(await self.engine.add_request(request_id + suffix, prompt, params, priority,
                                                              cache_salt=cache_salt))
+        except InvalidRequestError as error:
+            for stream in streams:
+                stream.abort()
+            name = (field_names or {}).get(error.param)
+            if name is None:
+                raise
+            raise InvalidRequestError(str(error).replace(error.param, name), name) from None
         except BaseException:
             for stream in streams:
                 stream.abort()
