@@ -1,0 +1,146 @@
+"""How fast a server notices its engine core died, and what it does next.
+
+Starts `chunkserve serve` (the flags after `--` go to it), runs a streaming request, kills the
+engine-core process with SIGKILL (as the OOM killer would) and times what follows: the
+stream's error event, /health answering 503, and then either the server's exit (its code
+should be 1, so a supervisor restarts it) or, with `--restart-engine-on-failure`, the first
+/health 200 and completed request of the new engine core. Each mode runs `--repeat` times;
+the table gives the median and the worst.
+
+    .venv/bin/python benchmarks/engine_death.py --repeat 3
+    .venv/bin/python benchmarks/engine_death.py --repeat 3 -- --restart-engine-on-failure
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+API_KEY = "engine-death"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_pid(server_pid: int) -> int:
+    """The server's child that runs the engine core (a multiprocessing spawn)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                command = f.read()
+        except OSError:
+            continue
+        if parent == server_pid and "spawn_main" in command:
+            return int(entry)
+    raise RuntimeError("no engine-core process found")
+
+
+def wait_for(condition, timeout_s: float, interval_s: float = 0.01) -> float | None:
+    """Seconds until `condition()` held, or None after `timeout_s`."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        try:
+            if condition():
+                return time.monotonic() - start
+        except httpx.TransportError:
+            pass
+        time.sleep(interval_s)
+    return None
+
+
+def run_once(server_flags: list[str], log_dir: str) -> dict[str, float | int | None]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    log = open(os.path.join(log_dir, f"server-{port}.log"), "w")
+    server = subprocess.Popen([sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", "--port", str(port),
+                               "--api-key", API_KEY, *server_flags], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        if wait_for(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200, 600, 0.5) is None:
+            raise RuntimeError(f"the server did not come up; see {log.name}")
+        error_event = threading.Event()
+        streaming = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as response:
+                    for line in response.iter_lines():
+                        streaming.set()
+                        if '"error"' in line:
+                            error_event.set()
+            except httpx.TransportError:
+                error_event.set()
+
+        threading.Thread(target=stream, daemon=True).start()
+        streaming.wait(60)
+        killed = time.monotonic()
+        os.kill(engine_pid(server.pid), signal.SIGKILL)
+
+        def since_kill(condition, timeout_s: float, interval_s: float = 0.01) -> float | None:
+            return None if wait_for(condition, timeout_s, interval_s) is None else time.monotonic() - killed
+
+        result: dict[str, float | int | None] = {
+            "stream_error_s": since_kill(error_event.is_set, 30),
+            "health_503_s": since_kill(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 503, 30),
+        }
+        restarting = "--restart-engine-on-failure" in server_flags
+        if restarting:
+            def serves() -> bool:
+                response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                      headers=headers, timeout=5)
+                return response.status_code == 200
+
+            result["serving_again_s"] = since_kill(serves, 300, 0.25)
+        else:
+            result["exit_s"] = since_kill(lambda: server.poll() is not None, 60)
+            result["exit_code"] = server.poll()
+        return result
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        log.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("server_flags", nargs="*", help="flags for `chunkserve serve` (after --)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as log_dir:
+        runs = [run_once(args.server_flags, log_dir) for _ in range(args.repeat)]
+    print(f"chunkserve serve {' '.join(args.server_flags)}: engine core killed with SIGKILL, {args.repeat} runs")
+    print(f"{'measure':<18} {'median':>8} {'worst':>8}")
+    for name in runs[0]:
+        values = [r[name] for r in runs]
+        if name == "exit_code":
+            print(f"{name:<18} {' '.join(str(v) for v in values):>17}")
+        elif None in values:
+            print(f"{name:<18} {'never':>8} (in {values.count(None)} of {len(values)} runs)")
+        else:
+            print(f"{name:<18} {statistics.median(values):>7.2f}s {max(values):>7.2f}s")
+
+
+if __name__ == "__main__":
+    main()
