@@ -119,7 +119,9 @@ class AsyncLLM:
         # called (on a thread of its own) with the reason when the engine core dies unasked
         self.on_engine_death: Callable[[str], None] | None = None
         self._start_core = start_core
-        self._core = start_core(self._on_event)
+        self._generation = 0  # of the engine core: events of a core that was replaced are dropped
+        self._restarting = threading.Lock()
+        self._core = start_core(functools.partial(self._on_event, 0))
         self.info = self._core.info
         self.tokenizer: Any = get_tokenizer()
         self.input_processor = InputProcessor(self.tokenizer, source, self.info,
@@ -235,14 +237,21 @@ class AsyncLLM:
         self._text_pool.shutdown(wait=False, cancel_futures=True)
 
     def restart(self) -> None:
-        """Start a new engine core after the last one died (its requests were failed then)."""
+        """Start a new engine core after the last one died (its requests were failed then); a
+        call while another restart is under way does nothing."""
         if self.is_running:
             raise RuntimeError("the engine core is running; only a dead one is restarted")
-        core = self._start_core(self._on_event)
-        with self._lock:
-            self._core = core
-            self._stopped.clear()
-            self._dead = None
+        if not self._restarting.acquire(blocking=False):
+            return
+        try:
+            generation = self._generation + 1
+            core = self._start_core(functools.partial(self._on_event, generation))
+            with self._lock:
+                self._core, self._generation = core, generation
+                self._stopped.clear()
+                self._dead = None
+        finally:
+            self._restarting.release()
 
     def _check_alive(self) -> None:
         if self._dead is not None or not self._core.is_alive():
@@ -250,15 +259,19 @@ class AsyncLLM:
 
     # ----- the core's events (engine or receiver thread) -------------------------------------
 
-    def _on_event(self, event: Event) -> None:
+    def _on_event(self, generation: int, event: Event) -> None:
+        if generation != self._generation:
+            return  # from a core that died and was replaced
         try:
             self._handle(event)
         except Exception as error:  # a bug on this side: fail every caller rather than leave them hanging
             logger.exception("the frontend could not handle the engine's %s", type(event).__name__)
             with self._lock:
+                first = self._dead is None
                 self._fail_everything(EngineDeadError(f"the frontend failed on the engine's events: {error!r}"))
-            self._core.send(Shutdown())
-            self._report_death(f"the frontend failed on the engine's events: {error!r}")
+            if first:  # the core's later events fail the same way: it is stopped and reported once
+                self._core.send(Shutdown())
+                self._report_death(f"the frontend failed on the engine's events: {error!r}")
 
     def _handle(self, event: Event) -> None:
         if isinstance(event, EngineCoreOutputs):
@@ -303,8 +316,11 @@ class AsyncLLM:
                 elif final_only:
                     continue
                 _call_in(loop, self._put, core_id, outputs, item)
-        for observer in self.observers:
-            observer(update.record, processed.request_outputs, update.stats)
+        for observer in self.observers:  # /metrics, the trace: their failure must not fail any request
+            try:
+                observer(update.record, processed.request_outputs, update.stats)
+            except Exception:
+                logger.exception("step observer %r failed", observer)
 
     def _report_death(self, reason: str) -> None:
         if self.on_engine_death is not None:

@@ -105,8 +105,10 @@ class EngineMetrics:
         self._count_up_to(self.requests_aborted_unread, num_unread_aborts)
 
     def _count_up_to(self, counter: Counter, total: int) -> None:
-        """Advance a counter to the engine's running total."""
-        counter.inc(total - self._totals_seen.get(counter, 0))
+        """Advance a counter to the engine's running total (a total below the last one seen is a
+        new engine core's, counting from 0 again)."""
+        seen = self._totals_seen.get(counter, 0)
+        counter.inc(total - seen if total >= seen else total)
         self._totals_seen[counter] = total
 
     def render(self) -> bytes:

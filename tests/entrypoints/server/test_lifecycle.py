@@ -111,8 +111,12 @@ def test_with_restart_on_failure_a_new_engine_serves_after_503s(tmp_path_factory
                 assert time.monotonic() < deadline, "the engine core never came back"
                 assert server.process.poll() is None
                 time.sleep(0.25)
-            served = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-            assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
-        assert "the new engine core is serving" in open(server.log_path).read()
+            for _ in range(3):  # and goes on serving: the new core's counters start at 0 again
+                served = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
+            assert server.metrics()["chunkserve:generation_tokens_total{}"] >= 6
+        log = open(server.log_path).read()
+        assert log.count("starting a new one") == 1 and "the new engine core is serving" in log
+        assert "Traceback" not in log.split("the new engine core is serving", 1)[1]
     finally:
         stop_server(server)
