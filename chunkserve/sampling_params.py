@@ -13,6 +13,7 @@ MAX_LOGPROBS = 20
 # Outside this range the penalty overflows float32 logits (a logit of 50 / 1e-45 is inf), and
 # one request's inf would make its row of probabilities NaN.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 
 
@@ -47,6 +48,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
+    logit_bias: dict[int, float] | None = None  # added to the token's logit before sampling (OpenAI's)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -98,6 +100,11 @@ class SamplingParams:
             fail(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logit_bias is not None:
+            low, high = LOGIT_BIAS_RANGE
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(t) and t >= 0 and _is_number(b) and low <= b <= high for t, b in self.logit_bias.items()):
+                fail(f"logit_bias must map token ids to biases in [{low:g}, {high:g}]")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
@@ -109,6 +116,7 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
         )
 
 

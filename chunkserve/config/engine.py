@@ -102,6 +102,7 @@ class EngineArgs:
     max_stop_sequences: int = arg(64, "most stop strings one request may give")
     max_stop_sequence_chars: int = arg(1024, "longest stop string, in characters")
     max_stop_token_ids: int = arg(1024, "most stop token ids one request may give")
+    max_logit_bias: int = arg(1024, "most logit_bias entries one request may give")
 
     def __post_init__(self) -> None:
         def fail(message: str) -> None:
@@ -149,7 +150,8 @@ class EngineArgs:
             fail("num_kv_blocks must be positive")
         if self.max_model_len is not None and self.max_model_len < 1:
             fail("max_model_len must be positive")
-        for name in ("max_prompt_chars", "max_stop_sequences", "max_stop_sequence_chars", "max_stop_token_ids"):
+        for name in ("max_prompt_chars", "max_stop_sequences", "max_stop_sequence_chars", "max_stop_token_ids",
+                     "max_logit_bias"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 fail(f"{name} must be positive, got {value}")
@@ -158,7 +160,7 @@ class EngineArgs:
         """The frontend's bounds on one request, with the default that depends on max_model_len resolved."""
         prompt_chars = self.max_prompt_chars or CHARS_PER_TOKEN_BOUND * max_model_len
         return RequestLimits(prompt_chars, self.max_stop_sequences, self.max_stop_sequence_chars,
-                             self.max_stop_token_ids)
+                             self.max_stop_token_ids, self.max_logit_bias)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's settings, with the defaults that depend on the model's length limit resolved."""

@@ -15,3 +15,4 @@ class RequestLimits:
     max_stop_sequences: int
     max_stop_sequence_chars: int
     max_stop_token_ids: int
+    max_logit_bias: int

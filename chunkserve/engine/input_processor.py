@@ -78,6 +78,9 @@ class InputProcessor:
         if len(params.stop_token_ids) > limits.max_stop_token_ids:
             raise InvalidRequestError(f"stop_token_ids has {len(params.stop_token_ids)} ids, over the limit of "
                                       f"{limits.max_stop_token_ids} (--max-stop-token-ids)", "stop_token_ids")
+        if params.logit_bias and len(params.logit_bias) > limits.max_logit_bias:
+            raise InvalidRequestError(f"logit_bias has {len(params.logit_bias)} entries, over the limit of "
+                                      f"{limits.max_logit_bias} (--max-logit-bias)", "logit_bias")
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -117,6 +120,9 @@ class InputProcessor:
         vocab = self.info.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias keys must be token ids below the vocabulary size {vocab}",
+                                      "logit_bias")
         extra_stops = [] if params.ignore_eos else [t for t in self.extra_stop_ids if t not in params.stop_token_ids]
         return dataclasses.replace(params, max_tokens=max_tokens, stop_token_ids=params.stop_token_ids + extra_stops)
 

@@ -59,12 +59,16 @@ def sample(logits: torch.Tensor, states: list[SamplingState], default_generator:
 
 
 def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
-    """Repetition penalty over prompt and output (Hugging Face's rule); presence and
-    frequency penalties over the output (OpenAI's rule). In place."""
+    """The request's logit bias, then the repetition penalty over prompt and output (Hugging
+    Face's rule) and the presence and frequency penalties over the output (OpenAI's rule).
+    In place."""
     for row, state in enumerate(states):
         params = state.params
         if not params.has_penalties:
             continue
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(state.token_ids)), dtype=torch.long)
             values = logits[row, seen]

@@ -132,3 +132,26 @@ def test_a_token_of_tiny_probability_beside_likely_ones_can_be_drawn(monkeypatch
     probs = torch.tensor([[0.5, 1e-9, 0.5 - 1e-9]])
     monkeypatch.setattr(torch, "rand", lambda *shape, dtype, **kwargs: torch.full(shape, 0.5 + 2e-10, dtype=dtype))
     assert sampler._draw(probs.double().cumsum(dim=-1), [None], torch.Generator()).tolist() == [1]
+
+
+def test_logit_bias_shifts_the_distribution_and_bans_or_forces_tokens(logits):
+    forced = SamplingParams(temperature=0, logit_bias={7: 100.0})
+    assert sample(logits.clone(), [state(forced)], torch.Generator()) == [7]
+    banned = draw(logits, SamplingParams(temperature=1.0, logit_bias={0: -100.0, 1: -100.0}))
+    assert banned[0] == 0 and banned[1] == 0
+    shifted = draw(logits, SamplingParams(temperature=1.0, logit_bias={3: 1.0}))
+    expected = (logits[0] + torch.nn.functional.one_hot(torch.tensor(3), VOCAB)).softmax(dim=-1)
+    assert abs(shifted[3].item() / DRAWS - expected[3].item()) < 0.02
+
+
+def test_a_row_with_no_distribution_is_named_and_nothing_is_drawn(logits):
+    generator = torch.Generator().manual_seed(5)
+    before = generator.get_state()
+    nan = SamplingParams(temperature=1.0)
+    nan.temperature = float("nan")  # past validation, as a request reaching the engine another way
+    rows = logits.repeat(3, 1)
+    with pytest.raises(sampler.InvalidRowsError) as error:
+        sample(rows, [state(SamplingParams(temperature=0.5)), state(nan), state(SamplingParams(temperature=0))],
+               generator)
+    assert error.value.rows == [1]
+    assert torch.equal(generator.get_state(), before)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import (
+    LOGIT_BIAS_RANGE,
     MAX_LOGPROBS,
     REPETITION_PENALTY_RANGE,
     SEED_RANGE,
@@ -29,6 +30,8 @@ TopK = Annotated[int, Field(ge=-1)]
 Temperature = Annotated[float, Field(ge=0.0)]
 MaxTokens = Annotated[int, Field(ge=1)]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                 Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]]
 
 
 class _Body(BaseModel):
@@ -62,6 +65,7 @@ class _OpenAISampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # requests share cached prefixes only within a salt
+    logit_bias: LogitBias | None = None  # token id (as a string, OpenAI's JSON) -> bias
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.n != 1:
@@ -75,6 +79,7 @@ class _OpenAISampling(_Body):
             max_tokens=max_tokens, seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs, output_kind=output_kind(self.stream),
+            logit_bias=None if self.logit_bias is None else {int(t): b for t, b in self.logit_bias.items()},
             **{name: value for name, value in given.items() if value is not None},
         )
 

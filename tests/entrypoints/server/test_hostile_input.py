@@ -71,6 +71,13 @@ HOSTILE = [  # (name, path, raw JSON body, the field the 400 must name)
     ("chat_over_the_character_limit", "/v1/chat/completions",
      json.dumps({"messages": [{"role": "user", "content": "word " * 40_000}]}), "messages"),
     ("empty_cache_salt", "/v1/completions", '{"prompt": "hi", "cache_salt": ""}', "cache_salt"),
+    ("too_many_logit_bias_entries", "/v1/completions",
+     json.dumps({"prompt": "hi", "logit_bias": {str(i): 1.0 for i in range(1025)}}), "logit_bias"),
+    ("logit_bias_key_not_a_token_id", "/v1/completions", '{"prompt": "hi", "logit_bias": {"abc": 1}}', "logit_bias"),
+    ("logit_bias_key_outside_the_vocabulary", "/v1/completions", '{"prompt": "hi", "logit_bias": {"99999999": 1}}',
+     "logit_bias"),
+    ("logit_bias_out_of_range", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1000}}', "logit_bias"),
 ]
 
 
@@ -89,6 +96,19 @@ def test_hostile_requests_get_400_naming_the_field_and_a_bystander_is_untouched(
     assert not failures, failures
     text, reasons = result["text"]
     assert text == bystander_text and reasons[-1] == "length"
+
+
+def test_logit_bias_forces_a_token(server):
+    def tokens(bias: dict | None) -> list[str]:
+        body = {"prompt": [1200, 1300], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                **({"logit_bias": bias} if bias else {})}
+        response = raw_post(server, "/v1/completions", body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["logprobs"]["tokens"]
+
+    forced = tokens({"1234": 100})
+    assert len(forced) == 4 and len(set(forced)) == 1
+    assert tokens(None) != forced  # the bias, not the model, chose them
 
 
 def test_a_top_k_beyond_the_vocabulary_means_no_top_k(server):
