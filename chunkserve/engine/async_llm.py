@@ -233,7 +233,7 @@ class AsyncLLM:
         if self._core.is_alive():
             self._core.send(Shutdown())
             self._stopped.wait(timeout_s)
-        self._core.join(timeout_s)
+        self._core.close(timeout_s)
         self._text_pool.shutdown(wait=False, cancel_futures=True)
 
     def restart(self) -> None:
@@ -244,6 +244,7 @@ class AsyncLLM:
         if not self._restarting.acquire(blocking=False):
             return
         try:
+            self._core.close(timeout_s=30)  # a core stopped for a frontend failure may still be shutting down
             generation = self._generation + 1
             core = self._start_core(functools.partial(self._on_event, generation))
             with self._lock:
@@ -336,7 +337,8 @@ class AsyncLLM:
             return
         with self._lock:
             stream = self._streams.pop(core_id, None)
-            if stream is None:  # already ended
+            if stream is None:  # it ended meanwhile: its last output follows this one, so hand this one on
+                outputs.put_nowait(item)
                 return
             del self._core_ids[stream[2]]
         self._abort_in_core([core_id])

@@ -49,7 +49,7 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.predictor = StepTimePredictor()
         self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector)
-        self.triage = StepFailureTriage(self.scheduler_config.max_num_seqs)
+        self.triage = StepFailureTriage()
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self._next_step_id = 0
         if self.scheduler_config.tbt_slo_ms is not None or self.scheduler_config.ttft_slo_ms is not None:
@@ -120,6 +120,8 @@ class EngineCore:
             return self._void_step(scheduled, error)
         outputs = self.scheduler.update_from_output(scheduled, runner_output)  # an empty step may report KV progress
         if self.triage.is_active:
+            if scheduled.is_empty:  # none of the tested can run now (short of KV, say): search no more
+                self.triage.end()
             self.triage.on_success([s.request_id for s in scheduled.scheduled])
             self.triage.forget([o.request_id for o in outputs if o.finished])
             self._restrict_to_tested()
@@ -145,7 +147,8 @@ class EngineCore:
             culprits = self.triage.on_failure([r.request_id for r in in_step])
             reason = f"the engine step failed ({error!r}) whenever this request was in it"
         failed = self.scheduler.finish_requests(culprits, RequestStatus.FINISHED_ABORTED)
-        self.triage.forget(culprits)
+        if self.triage.is_active:
+            self.triage.forget(culprits)
         self._restrict_to_tested()
         if not failed:
             return None

@@ -39,7 +39,8 @@ class ThreadCore:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def join(self, timeout_s: float) -> None:
+    def close(self, timeout_s: float) -> None:
+        """Wait for the loop to end (after Shutdown, or its death)."""
         self._thread.join(timeout_s)
 
 
@@ -71,7 +72,8 @@ class ProcessCore:
             raise
         self._on_event = on_event
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._send_commands, name="chunkserve-core-send", daemon=True).start()
+        self._sender = threading.Thread(target=self._send_commands, name="chunkserve-core-send", daemon=True)
+        self._sender.start()
         self._receiver = threading.Thread(target=self._receive_events, name="chunkserve-core-receive", daemon=True)
         self._receiver.start()
 
@@ -92,13 +94,19 @@ class ProcessCore:
     def is_alive(self) -> bool:
         return self._process.is_alive()
 
-    def join(self, timeout_s: float) -> None:
+    def close(self, timeout_s: float) -> None:
+        """Wait for the process to end (after Shutdown, or its death; killed after `timeout_s`),
+        then let the sender thread go and close the pipes."""
         self._process.join(timeout_s)
         if self._process.is_alive():
             logger.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
             self._process.kill()
             self._process.join()
         self._receiver.join(timeout_s)
+        self._outbox.put(Shutdown())  # the sender ends on it (or on the closed pipe)
+        self._sender.join(timeout_s)
+        self._commands.close()
+        self._events.close()
 
     def _send_commands(self) -> None:
         while True:

@@ -52,6 +52,9 @@ class InputProcessor:
         """A conversation -> prompt token ids, with the model's own chat template."""
         if not messages:
             raise InvalidRequestError("messages is empty", "messages")
+        if len(messages) >= self.info.max_model_len:  # each message takes at least a token of the template
+            raise InvalidRequestError(f"messages has {len(messages)} messages; max_model_len "
+                                      f"({self.info.max_model_len} tokens) cannot hold them", "messages")
         chars = sum(len(m.get("content") or "") for m in messages)
         if chars > self.limits.max_prompt_chars:
             raise InvalidRequestError(

@@ -55,8 +55,8 @@ class ServerArgs:
               "reading; counted in /metrics as chunkserve:requests_aborted_unread)"
     )
     request_read_timeout: float = arg(
-        30.0, "seconds a client may take to send a request's headers, and to send each part of its body, before "
-              "its connection is closed (slow-loris)"
+        30.0, "seconds a client may take to send a request's headers, and then its whole body, before its "
+              "connection is closed (slow-loris)"
     )
     restart_engine_on_failure: bool = arg(
         False, "when the engine core process dies, start a new one (answering 503 with Retry-After meanwhile) "

@@ -71,11 +71,15 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2) as bar:
-            while len(finished) < len(wanted):
-                for output in self.engine.step():
-                    if output.finished and output.request_id in wanted:
-                        finished[output.request_id] = output
-                        bar.update(1)
+            try:
+                while len(finished) < len(wanted):
+                    for output in self.engine.step():
+                        if output.finished and output.request_id in wanted:
+                            finished[output.request_id] = output
+                            bar.update(1)
+            except BaseException:  # a request failed, or the caller interrupted: the batch's others stop too
+                self.engine.abort_request([i for i in request_ids if i not in finished])
+                raise
         return [finished[request_id] for request_id in request_ids]
 
 

@@ -48,8 +48,8 @@ class ModelRunner:
         invalid: dict[str, str] = {}
         for new in output.new_requests:
             state, problem = self._new_state(new)
-            if new.request_id not in batch:  # else sent again after a failed step: the same request
-                batch.add(new.request_id, state)
+            batch.remove(new.request_id)  # sent again after a failed step: a fresh state, as the first time
+            batch.add(new.request_id, state)
             if problem is not None:
                 invalid[new.request_id] = problem
         for scheduled in output.scheduled:

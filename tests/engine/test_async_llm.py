@@ -271,7 +271,7 @@ class ScriptedCore:
     def is_alive(self) -> bool:
         return True
 
-    def join(self, timeout_s: float) -> None:
+    def close(self, timeout_s: float) -> None:
         pass
 
     async def added(self, count: int) -> str:

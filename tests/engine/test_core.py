@@ -93,3 +93,36 @@ def test_kv_progress_reported_by_a_step_with_nothing_scheduled_is_not_lost(model
     assert not core.has_unfinished_requests() and len(tokens) == 3
     stats = core.get_stats()
     assert stats.num_free_blocks == stats.num_blocks  # sent, then freed
+
+
+def test_a_search_for_a_failing_request_ends_even_when_the_pool_is_short(model_config):
+    """The request that makes steps fail needs blocks the waiting ones hold: it preempts one of
+    them (not itself), fails alone, and everyone else finishes (the search once stayed on with
+every step empty)."""
+    blocks = 8
+    core = EngineCore(EngineArgs(max_num_batched_tokens=96, max_num_seqs=8, num_kv_blocks=blocks, max_model_len=128),
+                      SimulatedExecutor(model_config, blocks))
+    execute = core.executor.execute_model
+
+    def fragile(scheduler_output):  # breaks whenever "bad" is in the step, and does not say so
+        if any(s.request_id == "bad" for s in scheduler_output.scheduled):
+            raise RuntimeError("a kernel failed")
+        return execute(scheduler_output)
+
+    core.executor.execute_model = fragile
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+    for i in range(3):
+        core.add_request(EngineCoreRequest(f"d{i}", [1000 + 50 * i + j for j in range(14)], params, None, float(i)))
+    core.step()
+    core.step()
+    core.add_request(EngineCoreRequest("bad", [3000 + j for j in range(100)], params, None, arrival_time=10.0))
+    finished = {}
+    for _ in range(200):
+        if not core.has_unfinished_requests():
+            break
+        step = core.step()
+        for output in [] if step is None else step.outputs:
+            if output.finished:
+                finished[output.request_id] = output.error is not None
+    assert finished == {"bad": True, "d0": False, "d1": False, "d2": False}
+    assert core.scheduler.only is None and core.check()["ok"]

@@ -65,11 +65,16 @@ def poisoned(kind: str) -> EngineCoreRequest:
     return EngineCoreRequest("poisoned", prompt, params, None, arrival_time=3.5)  # in the middle of the batch
 
 
-@pytest.mark.parametrize("kind", ["token_id", "nan_temperature", "tiny_repetition_penalty"])
-def test_a_poisoned_request_fails_alone(core, kind):
+@pytest.mark.parametrize("kind, reason", [
+    ("token_id", "outside the vocabulary"),
+    ("nan_temperature", "not a probability distribution"),
+    ("tiny_repetition_penalty", "not a probability distribution"),
+])
+def test_a_poisoned_request_fails_alone(core, kind, reason):
+    """The worker names the request (no bisection), and its id can be used again at once."""
     alone, _ = run(core, healthy_requests())
     tokens, errors = run(core, healthy_requests() + [poisoned(kind)])
-    assert set(errors) == {"poisoned"}
+    assert set(errors) == {"poisoned"} and reason in errors["poisoned"]
     assert tokens.pop("poisoned") == []
     assert tokens == alone
 

@@ -74,6 +74,7 @@ class Scheduler:
         self._next_admission = 0
         self._blocks_sent: dict[str, int] = {}  # blocks of each request's table the worker has
         self._known_to_worker: set[str] = set()
+        self._resend_as_new: set[str] = set()  # new in a step that failed: the worker may not have them
         self._finished_since_last_step: set[str] = set()
         self._remote_kv_tokens: dict[str, int] = {}  # computed tokens once the connector's load lands
         # finished requests' blocks, held until the connector has sent them (oldest first per id)
@@ -159,9 +160,10 @@ class Scheduler:
             if not step.scheduled:
                 self._schedule_decodes(step)
 
-        new_requests = [self._new_request_data(self.requests[s.request_id])
-                        for s in step.scheduled if s.request_id not in self._known_to_worker]
+        new_requests = [self._new_request_data(self.requests[s.request_id]) for s in step.scheduled
+                        if s.request_id not in self._known_to_worker or s.request_id in self._resend_as_new]
         self._known_to_worker.update(r.request_id for r in new_requests)
+        self._resend_as_new.difference_update(r.request_id for r in new_requests)
         self.prefix_cache_queries += step.prefix_cache_queries
         self.prefix_cache_hits += step.prefix_cache_hits
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
@@ -181,9 +183,9 @@ class Scheduler:
     def void_step(self, output: SchedulerOutput) -> None:
         """The step failed: nothing it scheduled was computed (the counters were never
         advanced), and the worker may or may not have applied its diffs, so what it carried
-        is sent again: new requests as new, block tables whole, finished requests again."""
-        for new in output.new_requests:
-            self._known_to_worker.discard(new.request_id)
+        is sent again: new requests as new (the worker replaces a state it has), block tables
+        whole, finished requests again."""
+        self._resend_as_new.update(new.request_id for new in output.new_requests)
         for scheduled in output.scheduled:
             self._blocks_sent.pop(scheduled.request_id, None)
         self._finished_since_last_step |= output.finished_request_ids
@@ -269,7 +271,7 @@ class Scheduler:
             return self._await_remote_kv(request, cached_blocks, num_cached + num_external)
         start = num_cached + num_external
         available = self.kv.num_available_blocks(cached_blocks)
-        if request.num_preemptions and self.running and available < self.kv.num_blocks_for(
+        if request.num_preemptions and any(map(self._may_run, self.running)) and available < self.kv.num_blocks_for(
                 request.num_prompt_tokens + request.max_tokens):
             return Admission.STOP  # it would only be preempted again: back when it can run to the end
         # the blocks running requests may take in this step are not the new request's to take
@@ -349,7 +351,9 @@ class Scheduler:
         until its blocks fit."""
         total = request.num_computed_tokens + chunk.num_tokens
         while self.kv.allocate_slots(request.request_id, total) is None:
+            # requests kept out of steps go first: they would not run anyway
             candidates = [r for r in self.running if not step.is_taken(r.request_id)]
+            candidates = [r for r in candidates if not self._may_run(r)] or candidates
             victim = pick_victim(candidates, self.config.scheduling_policy, self._admission_order)
             self._preempt(victim, step)
             if victim is request:
@@ -394,6 +398,7 @@ class Scheduler:
         self._remote_kv_tokens.pop(request_id, None)
         self.chunking.forget(request_id)
         del self.requests[request_id]
+        self._resend_as_new.discard(request_id)
         if request_id in self._known_to_worker:
             self._known_to_worker.discard(request_id)
             self._finished_since_last_step.add(request_id)

@@ -93,8 +93,8 @@ class ApiKeyMiddleware:
 class BodySizeLimitMiddleware:
     """Read the whole body before the route runs, and refuse it with 413 when it is over
     `max_bytes` (by its Content-Length, or while it arrives: a chunked upload has none), or
-    with 408 when a part of it takes over `read_timeout_s` to arrive (a client that stalls
-    would otherwise hold its connection and the route's task forever).
+    with 408 when the whole of it takes over `read_timeout_s` to arrive (a client that stalls
+    or trickles would otherwise hold its connection and the route's task forever).
 
     A client that disconnects mid-upload is nobody's error: the request ends without a
     response or a log line.
@@ -115,12 +115,13 @@ class BodySizeLimitMiddleware:
             return await self._refuse(send)
         messages: list[dict[str, Any]] = []
         size = 0
+        deadline = asyncio.get_running_loop().time() + self.read_timeout_s  # for the whole body: no trickling
         while True:
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
             except asyncio.TimeoutError:
                 # Connection: close, or the server would wait on the rest of the body for the next request.
-                return await send_error(send, 408, f"the request body stalled: no part of it arrived within "
+                return await send_error(send, 408, f"the request body did not arrive within "
                                                    f"{self.read_timeout_s:g} s", "timeout_error", [CLOSE_HEADER])
             if message["type"] == "http.disconnect":
                 return

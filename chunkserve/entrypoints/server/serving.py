@@ -178,7 +178,7 @@ class Serving:
                     "id": request_id, "prompt_tokens": len(output.prompt_token_ids),
                     "completion_tokens": len(token_ids),
                     "cached_tokens": output.num_cached_tokens,
-                    "finish_reason": _sglang_finish_reason(completion) if output.finished else None,
+                    "finish_reason": _sglang_finish_reason(completion, len(token_ids)) if output.finished else None,
                     "e2e_latency": end - metrics.arrival_time,
                 },
             }
@@ -247,9 +247,9 @@ class Serving:
         return {**entry(record.token_id, record.logprob), "top_logprobs": [entry(t, lp) for t, lp in record.top]}
 
 
-def _sglang_finish_reason(completion: Any) -> Event:
+def _sglang_finish_reason(completion: Any, num_tokens: int) -> Event:
     if completion.finish_reason == "length":
-        return {"type": "length", "length": len(completion.token_ids)}
+        return {"type": "length", "length": num_tokens}
     if completion.finish_reason == "stop":
         return {"type": "stop", "matched": completion.stop_reason}
     return {"type": "abort", "message": "aborted"}
@@ -275,16 +275,18 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         async for output in streams[0]:
             yield 0, output
         return
-    arrivals: asyncio.Queue = asyncio.Queue()
+    # bounded: a reader that stops reading leaves the outputs in the streams' own queues, which
+    # abort their requests past --max-unread-outputs
+    arrivals: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
     done = object()
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
             async for output in stream:
-                arrivals.put_nowait((index, output))
+                await arrivals.put((index, output))
         except Exception as error:
-            arrivals.put_nowait((index, error))
-        arrivals.put_nowait((index, done))
+            await arrivals.put((index, error))
+        await arrivals.put((index, done))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:

@@ -70,6 +70,8 @@ HOSTILE = [  # (name, path, raw JSON body, the field the 400 must name)
     ("prompt_over_the_character_limit", "/v1/completions", json.dumps({"prompt": "word " * 40_000}), "prompt"),
     ("chat_over_the_character_limit", "/v1/chat/completions",
      json.dumps({"messages": [{"role": "user", "content": "word " * 40_000}]}), "messages"),
+    ("ten_thousand_empty_messages", "/v1/chat/completions", json.dumps({"messages": [{"role": "user"}] * 10_000}),
+     "messages"),
     ("empty_cache_salt", "/v1/completions", '{"prompt": "hi", "cache_salt": ""}', "cache_salt"),
     ("too_many_logit_bias_entries", "/v1/completions",
      json.dumps({"prompt": "hi", "logit_bias": {str(i): 1.0 for i in range(1025)}}), "logit_bias"),
@@ -109,6 +111,16 @@ def test_logit_bias_forces_a_token(server):
     forced = tokens({"1234": 100})
     assert len(forced) == 4 and len(set(forced)) == 1
     assert tokens(None) != forced  # the bias, not the model, chose them
+
+
+def test_a_streamed_generate_reports_its_whole_length(server):
+    with server.client() as http:
+        body = {"text": "Once upon a time", "stream": True, "sampling_params": {
+            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+        events = [json.loads(line[6:]) for line in http.post("/generate", json=body).text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert len(events[-1]["output_ids"]) == 5 and events[-1]["meta_info"]["completion_tokens"] == 5
 
 
 def test_a_top_k_beyond_the_vocabulary_means_no_top_k(server):
