@@ -113,7 +113,8 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
-    def has_penalties(self) -> bool:
+    def adjusts_logits(self) -> bool:
+        """A logit bias or a penalty changes this request's logits before sampling."""
         return (
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
             or bool(self.logit_bias)

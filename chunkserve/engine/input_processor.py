@@ -97,9 +97,6 @@ class InputProcessor:
             raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
         if not prompt:
             raise InvalidRequestError("prompt is empty", "prompt")
-        if len(prompt) >= self.info.max_model_len:
-            raise InvalidRequestError(f"prompt has {len(prompt)} tokens, but max_model_len is "
-                                      f"{self.info.max_model_len}", "prompt")
         vocab = self.info.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:

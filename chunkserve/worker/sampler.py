@@ -64,7 +64,7 @@ def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
     In place."""
     for row, state in enumerate(states):
         params = state.params
-        if not params.has_penalties:
+        if not params.adjusts_logits:
             continue
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias), dtype=torch.long)

@@ -115,14 +115,6 @@ class Scheduler:
         (the engine keeps stepping until the worker reports them sent)."""
         return bool(self.waiting or self.running or self._sending)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
