@@ -38,7 +38,7 @@ def load_model_config(source: ModelSource) -> ModelConfig:
         from transformers import AutoConfig
 
         return ModelConfig.from_hf_config(AutoConfig.from_pretrained(source.path))
-    return ModelConfig.from_hf_config(_gguf_hf_config(_gguf_reader(source.path)))
+    return ModelConfig.from_hf_config(_gguf_hf_config(gguf_reader(source.path)))
 
 
 def load_model(source: ModelSource, config: ModelConfig, dtype: str, max_positions: int) -> LlamaModel:
@@ -85,7 +85,7 @@ _GGUF_LAYER_NAMES = {
 
 
 @functools.lru_cache(maxsize=1)
-def _gguf_reader(path: str):
+def gguf_reader(path: str):
     """Cached: the config, the weights and the tokenizer all read the same file."""
     import gguf
 
@@ -135,7 +135,7 @@ def _read_gguf_weights(path: str, config: ModelConfig) -> tuple[dict[str, torch.
     """The float weights under Hugging Face names, and the blocks of those stored in BLOCK_TYPES."""
     import gguf
 
-    reader = _gguf_reader(path)
+    reader = gguf_reader(path)
     weights, blocks = {}, {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)

@@ -17,7 +17,7 @@ from chunkserve.model.llama import LlamaModel
 from chunkserve.ops.cpp_ops import cpp_ops_for
 from chunkserve.ops.model_ops import TORCH_OPS
 from chunkserve.worker.input_batch import build_forward_batch
-from chunkserve.worker.kv_cache import allocate_kv_cache
+from chunkserve.worker.kv_cache import allocate_kv_pool, layer_caches, read_blocks, write_blocks
 from chunkserve.worker.persistent_batch import PersistentBatch
 from chunkserve.worker.sampler import InvalidRowsError, SamplingState, gather_logprobs, sample
 
@@ -29,7 +29,8 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.block_size = block_size
         self.dtype = model.embed_tokens.weight.dtype
-        self.kv_caches = allocate_kv_cache(config, self.dtype, num_blocks, block_size)
+        self.kv_pool = allocate_kv_pool(config, self.dtype, num_blocks, block_size)
+        self.kv_caches = layer_caches(self.kv_pool)
         self.generator = torch.Generator().manual_seed(seed)
         self.kv_connector = kv_connector or NoOpConnector()
         # told per layer when KV may be read and was written; None skips the calls of a no-op
@@ -103,19 +104,36 @@ class ModelRunner:
         """The request's sampler state, and what is wrong with its data, if anything (the
         frontend checks this; a request that reaches the core another way is checked here)."""
         problem, generator = None, None
-        tokens = new.prompt_token_ids
+        tokens = new.prompt_token_ids + new.output_token_ids
         if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
             problem = f"a prompt token id is outside the vocabulary [0, {self.vocab_size})"
         try:
             if new.sampling_params.seed is not None:
                 generator = torch.Generator().manual_seed(new.sampling_params.seed)
+                if new.generator_state is not None:  # an imported request continues its stream
+                    generator.set_state(torch.frombuffer(bytearray(new.generator_state), dtype=torch.uint8))
         except (RuntimeError, TypeError, OverflowError) as error:
             problem = f"seed {new.sampling_params.seed!r} is not usable: {error}"
         state = SamplingState(
             params=new.sampling_params,
             token_ids=list(tokens),
-            num_prompt_tokens=len(tokens),
+            num_prompt_tokens=len(new.prompt_token_ids),
             eos_token_id=new.eos_token_id,
             generator=generator,
         )
         return state, problem
+
+    # ----- KV and sampler state in and out (snapshots, KV tiers) ------------------------------
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
+        return read_blocks(self.kv_pool, block_ids, self.block_size)
+
+    def write_kv_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        write_blocks(self.kv_pool, block_ids, self.block_size, payloads)
+
+    def generator_state(self, request_id: str) -> bytes | None:
+        """The request's own generator state (seeded requests), as the next draw would find it."""
+        state = self.persistent_batch.sampling.get(request_id)
+        if state is None or state.generator is None:
+            return None
+        return state.generator.get_state().numpy().tobytes()

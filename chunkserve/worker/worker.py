@@ -11,10 +11,12 @@ import torch
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import ModelSource, resolve_model
+from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorWorker
 from chunkserve.core.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from chunkserve.errors import InvalidRequestError
 from chunkserve.model.config import ModelConfig
+from chunkserve.model.fingerprint import model_fingerprint
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import TORCH_DTYPES, load_model, load_model_config
 from chunkserve.sampling_params import SamplingParams
@@ -53,6 +55,19 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
+
+    def kv_fingerprint(self) -> ModelFingerprint:
+        """What KV this worker writes: its model's weights, tokenizer and KV layout."""
+        return model_fingerprint(self.source, self.model_config, self.config.dtype, self.config.block_size)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
+        return self.runner.read_kv_blocks(block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        self.runner.write_kv_blocks(block_ids, payloads)
+
+    def generator_state(self, request_id: str) -> bytes | None:
+        return self.runner.generator_state(request_id)
 
     def profile(self, rows: list[tuple[int, int]], seed: int = 0) -> float:
         """Run one step of made-up requests, a (start position, tokens) pair each, and return

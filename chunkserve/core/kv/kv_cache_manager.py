@@ -85,7 +85,7 @@ class KVCacheManager:
         and there are logits to sample from. ([], 0) when caching is off."""
         if not self.enable_caching:
             return [], 0
-        hashes = self._block_hashes_of(request, (request.num_tokens - 1) // self.block_size)
+        hashes = self.block_hashes_for(request, (request.num_tokens - 1) // self.block_size)
         blocks = []
         for block_hash in hashes:
             block_id = self.pool.lookup(block_hash)
@@ -104,7 +104,7 @@ class KVCacheManager:
         if num_full <= first:
             return
         table = self._block_tables[request.request_id]
-        hashes = self._block_hashes_of(request, num_full)
+        hashes = self.block_hashes_for(request, num_full)
         for i in range(first, num_full):
             self.pool.cache(table[i], hashes[i])
         self._num_registered[request.request_id] = num_full
@@ -117,7 +117,7 @@ class KVCacheManager:
         """Forget every cached prefix; refused (False) while any request holds blocks."""
         return self.pool.reset_cache()
 
-    def _block_hashes_of(self, request: Request, num_blocks: int) -> list[bytes]:
+    def block_hashes_for(self, request: Request, num_blocks: int) -> list[bytes]:
         """The hashes of the request's first `num_blocks` full blocks, extending the ones
         already computed (its tokens never change, only grow)."""
         hashes = self._block_hashes.setdefault(request.request_id, [])

@@ -30,6 +30,8 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
+    output_token_ids: list[int] = field(default_factory=list)  # an imported request's output so far
+    generator_state: bytes | None = None  # an imported seeded request's generator, where it stopped
 
 
 @dataclass
