@@ -65,6 +65,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     first_scheduled_time: float | None = None  # wall clock of the step that first scheduled it
+    generator_state: bytes | None = None  # an imported seeded request's generator, for the worker
 
     def __post_init__(self) -> None:
         if self.sampling_params.max_tokens is None:

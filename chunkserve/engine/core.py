@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from collections import deque
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.scheduler import SchedulerConfig
+from chunkserve.core.kv.layout import ModelFingerprint
+from chunkserve.core.kv.snapshot import RequestSnapshot, SnapshotBlock
 from chunkserve.core.kv_connector import KVConnectorScheduler
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.output import EngineCoreOutput, SchedulerOutput, SchedulerStats, hit_rate
@@ -31,6 +34,7 @@ from chunkserve.model.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 MAX_STEP_RECORDS = 100_000
+EXPORT_MODES = ("copy", "pause")
 
 
 class EngineCore:
@@ -50,6 +54,7 @@ class EngineCore:
         self.predictor = StepTimePredictor()
         self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector)
         self.triage = StepFailureTriage()
+        self._fingerprint: ModelFingerprint | None = None
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self._next_step_id = 0
         if self.scheduler_config.tbt_slo_ms is not None or self.scheduler_config.ttft_slo_ms is not None:
@@ -82,6 +87,83 @@ class EngineCore:
             self.triage.forget(request_ids)
             self._restrict_to_tested()
         return [Scheduler.output_of(request, []) for request in aborted]
+
+    # ----- snapshots: a request and its KV, out of this engine and into another ---------------
+
+    @property
+    def fingerprint(self) -> ModelFingerprint:
+        """The KV this engine writes (computed on first use: it hashes the weights)."""
+        if self._fingerprint is None:
+            self._fingerprint = self.executor.collective_rpc("kv_fingerprint")[0]
+        return self._fingerprint
+
+    def export_request(self, request_id: str, mode: str = "copy",
+                       skip_block_hashes: frozenset[bytes] = frozenset()) -> RequestSnapshot:
+        """The request's snapshot as of the last step. `copy` leaves it running here; `pause`
+        hands it over: it leaves this engine (its blocks return to the pool, cached ones stay
+        findable) without an output. Blocks named in `skip_block_hashes` (the destination caches
+        them) travel without their payload."""
+        if mode not in EXPORT_MODES:
+            raise InvalidRequestError(f"export mode must be one of {EXPORT_MODES}, got {mode!r}")
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            raise InvalidRequestError(f"no unfinished request {request_id!r} to export")
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            raise InvalidRequestError(f"request {request_id!r} is still loading its KV; export it later")
+        block_size = self.config.block_size
+        num_computed = request.num_computed_tokens
+        hashes = self.scheduler.kv.block_hashes_for(request, num_computed // block_size)
+        table = self.scheduler.kv.block_table(request_id)[: self.scheduler.kv.num_blocks_for(num_computed)]
+        wanted = [i for i in range(len(table)) if i >= len(hashes) or hashes[i] not in skip_block_hashes]
+        payloads = dict(zip(wanted, self.executor.collective_rpc("read_kv_blocks", ([table[i] for i in wanted],))[0]))
+        blocks = [SnapshotBlock(hashes[i] if i < len(hashes) else None,
+                                zlib.crc32(payloads[i]) if i in payloads else 0, payloads.get(i))
+                  for i in range(len(table))]
+        generator_state = request.generator_state  # the imported one, until the worker has it
+        if self.scheduler.worker_has_state(request_id):
+            generator_state = self.executor.collective_rpc("generator_state", (request_id,))[0]
+        snapshot = RequestSnapshot(
+            fingerprint=self.fingerprint, request_id=request_id,
+            prompt_token_ids=list(request.prompt_token_ids), output_token_ids=list(request.output_token_ids),
+            num_computed_tokens=num_computed, sampling_params=request.sampling_params,
+            generator_state=generator_state, eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time, priority=request.priority, cache_salt=request.cache_salt,
+            num_cached_tokens=request.num_cached_tokens or 0, num_preemptions=request.num_preemptions,
+            first_scheduled_time=request.first_scheduled_time, blocks=blocks,
+        )
+        if mode == "pause":
+            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+            if self.triage.is_active:
+                self.triage.forget([request_id])
+                self._restrict_to_tested()
+        return snapshot
+
+    def import_request(self, snapshot: RequestSnapshot, request_id: str | None = None) -> None:
+        """Continue a request exported by an engine of the same model (under `request_id`, or
+        its own id): its KV is copied into this pool, skipping the blocks this pool caches, and
+        it runs from where it stopped. A snapshot that does not fit this engine is refused with
+        InvalidRequestError before anything is allocated."""
+        snapshot.verify(self.fingerprint)
+        params = snapshot.sampling_params
+        if snapshot.num_tokens > self.max_model_len:
+            raise InvalidRequestError(f"the imported request has {snapshot.num_tokens} tokens, more than this "
+                                      f"engine's max_model_len ({self.max_model_len})")
+        if params.max_tokens is None or len(snapshot.output_token_ids) >= params.max_tokens:
+            raise InvalidRequestError("the imported request has no tokens left to generate (max_tokens)")
+        request = Request(
+            request_id=request_id or snapshot.request_id, prompt_token_ids=list(snapshot.prompt_token_ids),
+            sampling_params=params, eos_token_id=snapshot.eos_token_id, arrival_time=snapshot.arrival_time,
+            priority=snapshot.priority, cache_salt=snapshot.cache_salt,
+            output_token_ids=list(snapshot.output_token_ids), num_computed_tokens=snapshot.num_computed_tokens,
+            num_preemptions=snapshot.num_preemptions, num_cached_tokens=snapshot.num_cached_tokens,
+            first_scheduled_time=snapshot.first_scheduled_time, generator_state=snapshot.generator_state,
+        )
+        num_full = snapshot.num_computed_tokens // self.config.block_size
+        fills = self.scheduler.import_request(request, [b.block_hash for b in snapshot.blocks[:num_full]],
+                                              [b.payload is not None for b in snapshot.blocks])
+        if fills:
+            self.executor.collective_rpc("write_kv_blocks", ([block_id for block_id, _ in fills],
+                                                             [snapshot.blocks[i].payload for _, i in fills]))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

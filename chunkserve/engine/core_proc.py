@@ -32,6 +32,8 @@ from chunkserve.engine.messages import (
     EngineCoreOutputs,
     EngineDied,
     Event,
+    ExportRequest,
+    ImportRequest,
     Ready,
     Shutdown,
     Stopped,
@@ -79,15 +81,27 @@ class EngineCoreLoop:
             self._abort(command.request_ids)
         elif isinstance(command, CallCore):
             self.emit(CoreCallResult(command.ticket, getattr(self.core, command.method)()))
+        elif isinstance(command, ExportRequest):
+            try:
+                snapshot = self.core.export_request(command.request_id, command.mode)
+            except Exception as error:  # refused (InvalidRequestError) or a bug: the caller is told
+                self.emit(CoreCallResult(command.ticket, None, _picklable(error)))
+            else:
+                self.emit(CoreCallResult(command.ticket, snapshot))
+        elif isinstance(command, ImportRequest):
+            self.emit(Accepted(command.request_id, self._add(command)))
         else:
             self.emit(Accepted(command.request.request_id, self._add(command)))
 
-    def _add(self, command: AddRequest) -> BaseException | None:
+    def _add(self, command: AddRequest | ImportRequest) -> BaseException | None:
         try:
             waiting = self.core.get_stats().num_waiting
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise ServerOverloadedError(f"{waiting} requests are already waiting; retry later")
-            self.core.add_request(command.request)
+            if isinstance(command, ImportRequest):
+                self.core.import_request(command.snapshot, command.request_id)
+            else:
+                self.core.add_request(command.request)
         except Exception as error:  # refused (InvalidRequestError, ServerOverloadedError) or a bug
             return _picklable(error)
         return None

@@ -31,6 +31,19 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._num_emitted = 0
 
+    def state(self) -> dict:
+        """Where the detokenizer stands (JSON-ready; the token ids are the request's own)."""
+        return {"text": self.text, "prefix_offset": self._prefix_offset, "read_offset": self._read_offset,
+                "num_emitted": self._num_emitted}
+
+    def restore(self, token_ids: list[int], state: dict) -> None:
+        """Continue from `state` (of a detokenizer that had taken `token_ids`), so the next
+        delta starts exactly where that one's last delta ended."""
+        self.token_ids = list(token_ids)
+        self.text = state["text"]
+        self._prefix_offset, self._read_offset = state["prefix_offset"], state["read_offset"]
+        self._num_emitted = state["num_emitted"]
+
     def add_tokens(self, token_ids: list[int]) -> str | None:
         """Take newly sampled tokens; returns the stop string they completed, if any."""
         for token_id in token_ids:

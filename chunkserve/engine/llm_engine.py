@@ -8,9 +8,11 @@ from typing import Any
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import resolve_model
+from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.sched.output import EngineCoreOutput, SchedulerStats
 from chunkserve.engine.core import EngineCore
 from chunkserve.engine.input_processor import InputProcessor
+from chunkserve.engine.messages import imported_core_request
 from chunkserve.engine.output_processor import OutputProcessor
 from chunkserve.engine.outputs import RequestOutput, StepRecord
 from chunkserve.engine.tokenizer import load_tokenizer
@@ -55,6 +57,32 @@ class LLMEngine:
         """Abort requests at any point; their blocks return to the pool at once."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         return self._process(self.engine_core.abort_requests(ids), time.time())
+
+    def export_request(self, request_id: str, mode: str = "copy") -> RequestSnapshot:
+        """The request's snapshot as of the last step, with this frontend's state (see
+        EngineCore.export_request); `pause` ends it here without another output."""
+        if not self.output_processor.has_request(request_id):
+            raise InvalidRequestError(f"no unfinished request {request_id!r} to export")
+        snapshot = self.engine_core.export_request(request_id, mode)
+        snapshot.frontend_state = self.output_processor.export_state(request_id)
+        if mode == "pause":
+            self.output_processor.pause_for_export(request_id, time.time())
+        return snapshot
+
+    def import_request(self, snapshot: RequestSnapshot, request_id: str | None = None) -> None:
+        """Continue an exported request here (under `request_id`, or the id it was exported
+        with); its outputs continue where the exporter's stopped. Raises InvalidRequestError
+        (nothing taken) if the snapshot does not fit this engine."""
+        request = imported_core_request(snapshot, request_id)
+        if self.output_processor.has_request(request.request_id):
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.output_processor.add_imported(request, snapshot.output_token_ids, snapshot.frontend_state,
+                                           request.request_id)
+        try:
+            self.engine_core.import_request(snapshot, request.request_id)
+        except BaseException:
+            self.output_processor.remove_request(request.request_id)
+            raise
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.sched.output import EngineCoreOutput, SchedulerStats
 from chunkserve.engine.outputs import StepRecord
 from chunkserve.sampling_params import SamplingParams
@@ -30,6 +31,14 @@ class EngineCoreRequest:
     arrival_time: float  # wall clock
     priority: int = 0
     cache_salt: str | None = None  # namespaces the request's prefix-cache hashes
+
+
+def imported_core_request(snapshot: RequestSnapshot, request_id: str | None = None) -> EngineCoreRequest:
+    """The request a snapshot continues, as the frontend tracks it: under `request_id`, else the
+    caller's id it was exported with."""
+    exported_id = (snapshot.frontend_state or {}).get("request_id", snapshot.request_id)
+    return EngineCoreRequest(request_id or exported_id, list(snapshot.prompt_token_ids), snapshot.sampling_params,
+                             snapshot.eos_token_id, snapshot.arrival_time, snapshot.priority, snapshot.cache_salt)
 
 
 @dataclass(frozen=True)
@@ -62,11 +71,29 @@ class CallCore:
 
 
 @dataclass
+class ExportRequest:
+    """Snapshot a request between steps; answered by a `CoreCallResult` carrying the
+    RequestSnapshot. `pause` removes it from the core (no output follows)."""
+
+    ticket: int
+    request_id: str
+    mode: Literal["copy", "pause"]
+
+
+@dataclass
+class ImportRequest:
+    """Continue an exported request under `request_id`; answered by `Accepted`."""
+
+    snapshot: RequestSnapshot
+    request_id: str
+
+
+@dataclass
 class Shutdown:
     """Abort whatever is in flight, answer `Stopped`, end the loop."""
 
 
-Command = AddRequest | AbortRequests | CallCore | Shutdown
+Command = AddRequest | AbortRequests | CallCore | ExportRequest | ImportRequest | Shutdown
 
 
 # ----- events (core -> frontend) ------------------------------------------------------------
@@ -97,6 +124,7 @@ class EngineCoreOutputs:
 class CoreCallResult:
     ticket: int
     result: object
+    error: BaseException | None = None  # the call was refused (InvalidRequestError, ...)
 
 
 @dataclass

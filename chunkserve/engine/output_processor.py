@@ -15,6 +15,7 @@ request's history), or only what is new until the last output, which carries eve
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,45 @@ class OutputProcessor:
             params.output_kind,
             logprobs=None if params.logprobs is None or params.output_kind == RequestOutputKind.DELTA else [],
         )
+
+    def add_imported(self, request: EngineCoreRequest, output_token_ids: list[int], exported: dict | None,
+                     external_id: str) -> None:
+        """Track an imported request, continuing from the frontend state it was exported with
+        (`export_state`); without one, its output so far counts as already handed out."""
+        self.add_request(request, None if exported is None else exported["prompt"], external_id)
+        state = self._states[request.request_id]
+        if exported is None:
+            state.detokenizer.add_tokens(output_token_ids)
+            state.detokenizer.delta(finished=False)
+            return
+        state.detokenizer.restore(output_token_ids, exported["detokenizer"])
+        state.metrics = RequestMetrics(**exported["metrics"])
+        if state.logprobs is not None and exported["logprobs"] is not None:
+            state.logprobs = [TokenLogprobs(token, logprob, [tuple(t) for t in top])
+                              for token, logprob, top in exported["logprobs"]]
+
+    def export_state(self, request_id: str) -> dict:
+        """The request's frontend state for a snapshot (JSON-ready): its caller's id, prompt
+        text, detokenizer and stop-string state, metrics and logprobs so far."""
+        state = self._states[request_id]
+        logprobs = None if state.logprobs is None else [
+            [r.token_id, r.logprob, [list(t) for t in r.top]] for r in state.logprobs]
+        return {"request_id": state.request_id, "prompt": state.prompt,
+                "detokenizer": state.detokenizer.state(), "metrics": dataclasses.asdict(state.metrics),
+                "logprobs": logprobs}
+
+    def pause_for_export(self, request_id: str, timestamp: float) -> RequestOutput:
+        """The request left for another engine: forget it and return its last output here,
+        finished ("abort") with no new text (what it held back travels with the snapshot)."""
+        state = self._states.pop(request_id)
+        detokenizer = state.detokenizer
+        state.metrics.finished_time = timestamp
+        delta = state.output_kind == RequestOutputKind.DELTA
+        completion = CompletionOutput(
+            index=0, text="" if delta else detokenizer.emitted_text,
+            token_ids=[] if delta else list(detokenizer.token_ids), finish_reason="abort",
+            logprobs=None if state.logprobs is None else list(state.logprobs))
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], True, state.metrics)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._states

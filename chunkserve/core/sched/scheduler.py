@@ -53,6 +53,7 @@ from chunkserve.core.sched.preemption import pick_victim
 from chunkserve.core.sched.step_builder import StepBuilder
 from chunkserve.core.step_predictor import StepTimePredictor
 from chunkserve.core.stop import check_stop
+from chunkserve.errors import InvalidRequestError, ServerOverloadedError
 
 
 class Scheduler:
@@ -93,6 +94,49 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.chunking.track(request.request_id, request.arrival_time)
         self.waiting.append(request)
+
+    def import_request(self, request: Request, block_hashes: list[bytes],
+                       has_payload: list[bool]) -> list[tuple[int, int]]:
+        """Take a request from another engine (a snapshot) with `request.num_computed_tokens`
+        already computed: its full blocks are named by `block_hashes`, and `has_payload[i]` says
+        whether block i's KV came with it (the partial last block always does). Blocks this pool
+        caches are reused, the others allocated; returns the blocks to fill from the snapshot, as
+        (block id, snapshot block index). Raises (taking nothing) when it cannot run here now."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        num_computed = request.num_computed_tokens
+        cached = []
+        if self.kv.enable_caching:
+            for block_hash in block_hashes:
+                block_id = self.kv.pool.lookup(block_hash)
+                if block_id is None:
+                    break
+                cached.append(block_id)
+        num_blocks = self.kv.num_blocks_for(num_computed)
+        missing = [i for i in range(len(cached), num_blocks) if not has_payload[i]]
+        if missing:
+            raise InvalidRequestError(f"snapshot block {missing[0]}'s KV was left out but this engine does not cache "
+                                      "it: export the request again with its payload")
+        if num_computed and len(self.running) + len(self._remote_kv_tokens) >= self.config.max_num_seqs:
+            raise ServerOverloadedError(f"{self.config.max_num_seqs} requests are already running; retry the "
+                                        "import later")
+        if num_computed and self.kv.allocate_slots(request.request_id, num_computed, cached) is None:
+            raise ServerOverloadedError(f"the KV pool has no room for the imported request's {num_blocks} blocks "
+                                        f"({self.kv.num_free_blocks} free); retry later")
+        self.requests[request.request_id] = request
+        self.chunking.track(request.request_id, request.arrival_time)
+        if not num_computed:  # nothing computed yet: it waits like a new request
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+            return []
+        self.kv.cache_full_blocks(request, num_computed)  # filled before the next step runs
+        self._start_running(request)
+        table = self.kv.block_table(request.request_id)
+        return [(table[i], i) for i in range(len(cached), num_blocks)]
+
+    def worker_has_state(self, request_id: str) -> bool:
+        """Whether the worker holds the request's state (token history, generator) as it stands."""
+        return request_id in self._known_to_worker and request_id not in self._resend_as_new
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (e.g. abort) requests wherever they are; frees their blocks at once."""
@@ -402,4 +446,6 @@ class Scheduler:
             prompt_token_ids=list(request.prompt_token_ids),
             sampling_params=request.sampling_params,
             eos_token_id=request.eos_token_id,
+            output_token_ids=list(request.output_token_ids),
+            generator_state=request.generator_state,
         )
