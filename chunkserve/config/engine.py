@@ -21,6 +21,8 @@ from chunkserve.errors import InvalidRequestError
 
 DTYPES = ("float32", "bfloat16")
 OP_BACKENDS = ("auto", "cpp", "torch")
+HICACHE_STORAGE_BACKENDS = ("file",)
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 
 
 def arg(default: Any, help: str, **extra: Any) -> Any:
@@ -90,6 +92,24 @@ class EngineArgs:
         True, "reuse the KV of full blocks shared with earlier requests (a SHA-256 hash chain over their tokens)"
     )
     scheduling_policy: str = arg("fcfs", "order of admission and preemption", choices=SCHEDULING_POLICIES)
+    enable_hierarchical_cache: bool = arg(
+        False, "keep KV blocks on disk too (SGLang's HiCache flags): a prompt whose blocks the pool no longer "
+        "holds loads them from there instead of recomputing them, across restarts too (needs prefix caching)"
+    )
+    hicache_storage_backend: str = arg("file", "where the disk tier keeps blocks: file = one file per block "
+                                       "under --hicache-storage-dir", choices=HICACHE_STORAGE_BACKENDS)
+    hicache_storage_dir: str | None = arg(
+        None, "the disk tier's folder; each model's blocks go in a subfolder named by its fingerprint "
+        "(default: $CHUNKSERVE_CACHE/hicache, or ~/.cache/chunkserve/hicache)"
+    )
+    hicache_storage_max_gb: float = arg(
+        10.0, "most GiB of block files one model keeps in the disk tier; the least recently stored or loaded "
+        "are deleted first"
+    )
+    hicache_write_policy: str = arg(
+        "write_through", "when a block goes to disk: write_through = once its KV is computed; write_back = "
+        "when the pool evicts it (and, at shutdown, every block the pool caches)", choices=HICACHE_WRITE_POLICIES
+    )
     op_backend: str = arg(
         "auto", "cpp = C++ ops (built on first use): decode attention reading the paged KV in place, the "
         "linear layers of small batches, fused norm/rotary/SiLU; torch = plain torch (the reference); auto = "
@@ -114,6 +134,18 @@ class EngineArgs:
             fail(f"op_backend must be one of {OP_BACKENDS}, got {self.op_backend!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             fail(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.hicache_storage_backend not in HICACHE_STORAGE_BACKENDS:
+            fail(f"hicache_storage_backend must be one of {HICACHE_STORAGE_BACKENDS}, "
+                 f"got {self.hicache_storage_backend!r}")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            fail(f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, got {self.hicache_write_policy!r}")
+        if not self.hicache_storage_max_gb > 0:
+            fail(f"hicache_storage_max_gb must be positive, got {self.hicache_storage_max_gb}")
+        if self.hicache_storage_dir is not None and not self.hicache_storage_dir.strip():
+            fail("hicache_storage_dir must not be empty (leave it out for the default folder)")
+        if self.enable_hierarchical_cache and not self.enable_prefix_caching:
+            fail("enable_hierarchical_cache needs enable_prefix_caching: the disk tier finds blocks by their "
+                 "prefix-cache hash")
         if self.block_size < 1:
             fail(f"block_size must be positive, got {self.block_size}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:

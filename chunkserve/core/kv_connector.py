@@ -14,14 +14,27 @@ Scheduler side (in the engine core, no tensors):
     blocks stay allocated while `delay_free` (its KV is still being sent), until the worker
     reports it in `finished_sending`. It is called for a request aborted while its KV was
     loading too: a connector with a load still in flight into those blocks must delay their
-    free the same way.
+    free the same way (or cancel the load so that the worker never writes them again);
+  - `bind_kv_cache(kv)`: the scheduler's KVCacheManager (its pool and hash chains), once;
+  - `update_connector_output(output)`: what the worker side reported in
+    `ModelRunnerOutput.kv_connector_output` (its own type), every step;
+  - `has_pending_work()`: the connector still has work the engine must step for though no
+    request is unfinished (saves not yet made); `begin_shutdown()`: queue what must be
+    persisted before the engine stops (the engine then steps until no work is pending);
+  - `reset_cache()`: forget what the connector caches (with the pool's prefix cache);
+  - `get_kv_connector_stats()`: its counters for SchedulerStats (None: none).
 
 Worker side (around the forward pass, with the KV tensors):
   - `bind_connector_metadata(metadata)`, `start_load_kv()` before the forward,
     `wait_for_layer_load(layer)` before a layer's attention reads the cache,
     `save_kv_layer(layer, k_cache, v_cache, attn_metadata)` after a layer wrote its KV,
     `wait_for_save()` after the forward, and `get_finished(finished_request_ids)` ->
-    (finished sending, finished receiving), reported back in the runner's output.
+    (finished sending, finished receiving), reported back in the runner's output;
+  - `register_kv_caches(kv_pool)`: the pool tensor, once it is allocated;
+  - `get_block_ids_with_load_errors()`: blocks whose load failed (ModelRunnerOutput's
+    `invalid_block_ids`; their requests recompute from the first), and
+    `take_connector_output()`: what goes back to the scheduler's side, after a successful step;
+  - `shutdown()`: stop its threads (after the engine settled the scheduler's side).
 
 `NoOpConnector` is both sides of a connector that moves nothing: the engine's behaviour
 without KV transfer.
@@ -49,6 +62,24 @@ class KVConnectorScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         return False, None
 
+    def bind_kv_cache(self, kv: Any) -> None:
+        return None
+
+    def update_connector_output(self, output: Any) -> None:
+        return None
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def begin_shutdown(self) -> None:
+        return None
+
+    def reset_cache(self) -> None:
+        return None
+
+    def get_kv_connector_stats(self) -> Any:
+        return None
+
 
 class KVConnectorWorker:
     """The worker's side of a connector; every verb defaults to moving nothing."""
@@ -70,6 +101,18 @@ class KVConnectorWorker:
 
     def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
         return set(), set()
+
+    def register_kv_caches(self, kv_pool: Any) -> None:
+        return None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()
+
+    def take_connector_output(self) -> Any:
+        return None
+
+    def shutdown(self) -> None:
+        return None
 
 
 class NoOpConnector(KVConnectorScheduler, KVConnectorWorker):

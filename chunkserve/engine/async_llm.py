@@ -14,10 +14,12 @@ step records and calling the step observers (/metrics, the trace).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +27,7 @@ from typing import Any
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import ModelSource, resolve_model
+from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.sched.output import SchedulerStats
 from chunkserve.engine.core import MAX_STEP_RECORDS
 from chunkserve.engine.core_client import CoreClient, EventHandler, ProcessCore, ThreadCore
@@ -39,8 +42,11 @@ from chunkserve.engine.messages import (
     EngineCoreOutputs,
     EngineDied,
     Event,
+    ExportRequest,
+    ImportRequest,
     Shutdown,
     Stopped,
+    imported_core_request,
 )
 from chunkserve.engine.output_processor import OutputProcessor
 from chunkserve.engine.outputs import RequestOutput, StepRecord
@@ -113,6 +119,7 @@ class AsyncLLM:
         # by core id: the caller's loop, the request's outputs, the caller's id, whether only its last output counts
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, str, bool]] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # CallCore tickets
+        self._exports: dict[int, tuple[str, str]] = {}  # ExportRequest tickets -> (core id, mode)
         self._tickets = itertools.count()
         self._dead: EngineDeadError | None = None
         self._stopped = threading.Event()
@@ -213,6 +220,74 @@ class AsyncLLM:
         self._core.send(CallCore(ticket, method))
         return await done
 
+    async def export_request(self, request_id: str, mode: str = "copy") -> RequestSnapshot:
+        """Snapshot a request in flight between two steps, with this frontend's state, so that
+        another engine of the same model continues it (`import_request`). `pause` hands it
+        over: its stream here ends with finish_reason "abort" and no more text."""
+        loop = asyncio.get_running_loop()
+        done, ticket = loop.create_future(), next(self._tickets)
+        with self._lock:
+            self._check_alive()
+            core_id = self._core_ids.get(request_id)
+            if core_id is None:
+                raise InvalidRequestError(f"no unfinished request {request_id!r} to export")
+            self._calls[ticket] = (loop, done)
+            self._exports[ticket] = (core_id, mode)
+        self._core.send(ExportRequest(ticket, core_id, mode))
+        return await done
+
+    def _finish_export(self, snapshot: RequestSnapshot | None, error: BaseException | None, core_id: str,
+                       mode: str) -> tuple[RequestSnapshot | None, BaseException | None]:
+        """On the event thread, in order with the steps' outputs: add the frontend's state as it
+        stood when the core took the snapshot; a paused request's stream ends here."""
+        request_id = core_id.rsplit("#", 1)[0]
+        if not self.output_processor.has_request(core_id):  # it finished before the export reached the core
+            return None, InvalidRequestError(f"request {request_id!r} finished before it could be exported")
+        if error is not None:  # the core's message names the request by the caller's id
+            return None, type(error)(str(error).replace(repr(core_id), repr(request_id)))
+        snapshot.frontend_state = self.output_processor.export_state(core_id)
+        if mode == "pause":
+            last = self.output_processor.pause_for_export(core_id, time.time())
+            stream = self._streams.pop(core_id, None)
+            if stream is not None:
+                loop, outputs, request_id, _ = stream
+                del self._core_ids[request_id]
+                _call_in(loop, outputs.put_nowait, last)
+        return snapshot, None
+
+    async def import_request(self, snapshot: RequestSnapshot, request_id: str | None = None,
+                             output_kind: RequestOutputKind | None = None) -> RequestStream:
+        """Continue an exported request here, under `request_id` (default: the id it was
+        exported with); its stream continues where the exporter's stopped. `output_kind`
+        replaces the one it was exported with. Raises InvalidRequestError if the snapshot does
+        not fit this engine (nothing is taken), ServerOverloadedError if there is no room now."""
+        loop = asyncio.get_running_loop()
+        if output_kind is not None:
+            snapshot = dataclasses.replace(
+                snapshot, sampling_params=dataclasses.replace(snapshot.sampling_params, output_kind=output_kind))
+        request = imported_core_request(snapshot)
+        external_id = request_id or request.request_id
+        core_id = f"{external_id}#{next(self._serial)}"
+        request.request_id = core_id
+        accepted, outputs = loop.create_future(), asyncio.Queue()
+        final_only = request.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
+        with self._lock:
+            self._check_alive()
+            if external_id in self._core_ids:
+                raise InvalidRequestError(f"request id {external_id!r} is already in use")
+            self._core_ids[external_id] = core_id
+            self._accepting[core_id] = (loop, accepted, outputs, external_id, final_only)
+            self.output_processor.add_imported(request, snapshot.output_token_ids, snapshot.frontend_state,
+                                               external_id)
+        self._core.send(ImportRequest(snapshot, core_id))
+        abort = functools.partial(self._abort_in_core, [core_id])
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            abort()
+            raise
+        return RequestStream(external_id, outputs, abort)
+
     def abort(self, request_id: str | list[str]) -> None:
         """Abort at the next step boundary; the blocks are back in the pool before the next step."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -289,7 +364,11 @@ class AsyncLLM:
                 _call_in(loop, _settle, accepted, event.error)
             elif isinstance(event, CoreCallResult):
                 loop, done = self._calls.pop(event.ticket)
-                _call_in(loop, _settle, done, None, event.result)
+                result, error = event.result, event.error
+                export = self._exports.pop(event.ticket, None)
+                if export is not None:
+                    result, error = self._finish_export(result, error, *export)
+                _call_in(loop, _settle, done, error, result)
             elif isinstance(event, Stopped):
                 self._fail_everything(EngineDeadError("the engine is shutting down"))
                 self._stopped.set()
@@ -360,6 +439,7 @@ class AsyncLLM:
             _call_in(loop, outputs.put_nowait, error)
         self._accepting.clear()
         self._calls.clear()
+        self._exports.clear()
         self._streams.clear()
         self._core_ids.clear()
         self.output_processor = OutputProcessor(self.tokenizer)  # the failed requests' states go with them

@@ -16,6 +16,7 @@ from collections import deque
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.scheduler import SchedulerConfig
+from chunkserve.core.kv.disk_tier import DiskTierScheduler
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv.snapshot import RequestSnapshot, SnapshotBlock
 from chunkserve.core.kv_connector import KVConnectorScheduler
@@ -34,6 +35,7 @@ from chunkserve.model.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 MAX_STEP_RECORDS = 100_000
+KV_SETTLE_TIMEOUT_S = 60.0  # at shutdown, the longest the KV connector's pending writes are waited for
 EXPORT_MODES = ("copy", "pause")
 
 
@@ -41,7 +43,8 @@ class EngineCore:
     def __init__(self, config: EngineArgs, executor: Executor | None = None,
                  kv_connector: KVConnectorScheduler | None = None) -> None:
         """`kv_connector`: the scheduler's side of a KV connector (its worker side goes to the
-        executor's workers); none moves no KV."""
+        executor's workers); none moves no KV, unless `enable_hierarchical_cache` asks for the
+        disk tier (whose worker side the workers build)."""
         self.config = config
         self.executor = executor or UniProcExecutor(config)
         self.model_config: ModelConfig = self.executor.model_config
@@ -52,6 +55,8 @@ class EngineCore:
         self.executor.load_model(self.max_model_len)
         self.executor.initialize_kv_cache(num_blocks)
         self.predictor = StepTimePredictor()
+        if kv_connector is None and config.enable_hierarchical_cache:
+            kv_connector = DiskTierScheduler.from_args(config, self.executor.collective_rpc("kv_fingerprint")[0])
         self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector)
         self.triage = StepFailureTriage()
         self._fingerprint: ModelFingerprint | None = None
@@ -162,8 +167,10 @@ class EngineCore:
         fills = self.scheduler.import_request(request, [b.block_hash for b in snapshot.blocks[:num_full]],
                                               [b.payload is not None for b in snapshot.blocks])
         if fills:
+            self.flush_kv_connector()  # blocks the allocation evicted are saved before they are overwritten
             self.executor.collective_rpc("write_kv_blocks", ([block_id for block_id, _ in fills],
                                                              [snapshot.blocks[i].payload for _, i in fills]))
+        self.scheduler.kv.cache_full_blocks(request, request.num_computed_tokens)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -175,7 +182,9 @@ class EngineCore:
         return self.scheduler.stats()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; refused (False) while any request is unfinished."""
+        """Forget every cached prefix: the pool's and, with the disk KV tier
+        (`enable_hierarchical_cache`), the tier's too: its files of this model are removed.
+        Refused (False) while any request is unfinished."""
         return self.scheduler.reset_prefix_cache()
 
     def check(self) -> dict:
@@ -191,7 +200,8 @@ class EngineCore:
     # ----- the step -----------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs | None:
-        """One step; None when nothing was scheduled. A step the executor fails is void and
+        """One step; None when nothing was scheduled (unless the KV connector reported progress:
+        then no outputs and no record, but fresh stats). A step the executor fails is void and
         fails only the requests found to cause it (triage.py); the others run again."""
         start_wall, start = time.time(), time.perf_counter()
         margin = self.predictor.margin
@@ -207,8 +217,10 @@ class EngineCore:
             self.triage.on_success([s.request_id for s in scheduled.scheduled])
             self.triage.forget([o.request_id for o in outputs if o.finished])
             self._restrict_to_tested()
-        if scheduled.is_empty:
-            return None
+        if scheduled.is_empty:  # (a disk tier's writes landing show in the stats, e.g. /metrics)
+            if runner_output.kv_connector_output is None:
+                return None
+            return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
         duration = time.perf_counter() - start
         self.predictor.observe(StepShape.of(scheduled.scheduled), duration)
         record = self._record(scheduled, start_wall, duration, margin)
@@ -271,8 +283,9 @@ class EngineCore:
     def time_synthetic_step(self, rows: list[tuple[int, int]], seed: int = 0) -> float:
         """Run one step of made-up requests, a (start position, tokens) pair each, and return
         its seconds. For the start-up profile and benchmarks/step_time_curve.py: only while no
-        request is unfinished, as its KV lands in blocks 0.. (the prefix cache is dropped)."""
-        if self.has_unfinished_requests() or not self.scheduler.reset_prefix_cache():
+        request is unfinished, as its KV lands in blocks 0.. (the pool's prefix cache is dropped;
+        a disk KV tier keeps its files, and with write_back the pool's blocks are not saved)."""
+        if self.has_unfinished_requests() or not self.scheduler.kv.reset_prefix_cache():
             raise RuntimeError("time_synthetic_step needs an idle engine: its KV overwrites pool blocks")
         for start, num_tokens in rows:
             if start + num_tokens > self.max_model_len:
@@ -297,7 +310,33 @@ class EngineCore:
         self.predictor.refit()
         logger.info("step-time model from %d profile steps: %s", len(steps), self.predictor.describe())
 
+    def flush_kv_connector(self) -> None:
+        """Run one step that computes nothing but hands the KV connector's pending saves to the
+        worker (which copies them out of the pool at once), if it has any. A pool write outside
+        the steps (`write_kv_blocks`) must come after it: between taking the blocks (an
+        allocation that may evict cached ones, which write_back saves) and writing them, and
+        before registering the written blocks in the prefix cache (which write_through saves),
+        else the tier could copy out a block already overwritten, or not yet written."""
+        if self.scheduler.connector.has_pending_work():
+            output = self.scheduler.schedule_connector_only()
+            self.scheduler.update_from_output(output, self.executor.execute_model(output))
+
     def shutdown(self) -> None:
+        """Stop the executor. With the disk KV tier, settle it first: write_back saves every block
+        the pool caches that the tier lacks, and every pending write lands (at most
+        KV_SETTLE_TIMEOUT_S), so a restart on the same folder finds them."""
+        connector = self.scheduler.connector
+        connector.begin_shutdown()
+        deadline = time.monotonic() + KV_SETTLE_TIMEOUT_S
+        try:
+            while connector.has_pending_work():
+                if time.monotonic() > deadline:
+                    logger.warning("the KV connector is still busy after %.0f s; shutting down without it",
+                                   KV_SETTLE_TIMEOUT_S)
+                    break
+                self.flush_kv_connector()
+        except Exception:
+            logger.exception("settling the KV connector at shutdown failed")
         self.executor.shutdown()
 
 

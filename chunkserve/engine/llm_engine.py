@@ -31,6 +31,7 @@ class LLMEngine:
                                               args.request_limits(self.info.max_model_len))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step_record: StepRecord | None = None  # of the last step(); None if it ran nothing
+        self._shut_down = False
 
     @property
     def max_model_len(self) -> int:
@@ -83,6 +84,13 @@ class LLMEngine:
         except BaseException:
             self.output_processor.remove_request(request.request_id)
             raise
+
+    def shutdown(self) -> None:
+        """Stop the engine core (a disk KV tier is settled first: see EngineCore.shutdown); the
+        engine is unusable afterwards. Safe to call more than once."""
+        if not self._shut_down:
+            self._shut_down = True
+            self.engine_core.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
+        # when this LLM is collected, or at exit: a disk KV tier keeps what the pool still holds
+        weakref.finalize(self, self.engine.shutdown)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

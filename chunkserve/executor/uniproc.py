@@ -23,4 +23,6 @@ class UniProcExecutor(Executor):
         return self.worker.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
         self.worker = None

@@ -33,6 +33,7 @@ class ModelRunner:
         self.kv_caches = layer_caches(self.kv_pool)
         self.generator = torch.Generator().manual_seed(seed)
         self.kv_connector = kv_connector or NoOpConnector()
+        self.kv_connector.register_kv_caches(self.kv_pool)
         # told per layer when KV may be read and was written; None skips the calls of a no-op
         self._layer_connector = None if isinstance(self.kv_connector, NoOpConnector) else self.kv_connector
         self.persistent_batch = PersistentBatch()
@@ -43,6 +44,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        # The connector's I/O first, in every step (an empty one too, and before anything can fail,
+        # so its metadata is never lost): it copies out the blocks to save before this forward may
+        # overwrite them, then copies in the loads that finished.
+        connector = self.kv_connector
+        connector.bind_connector_metadata(output.kv_connector_metadata)
+        connector.start_load_kv()
         batch = self.persistent_batch
         for request_id in output.finished_request_ids:
             batch.remove(request_id)
@@ -57,14 +64,13 @@ class ModelRunner:
             batch.update_blocks(scheduled)
         if invalid:  # raised once the diff is applied, so the batch stays in step with the scheduler
             raise RequestFailedError("; ".join(invalid.values()), list(invalid))
-        connector = self.kv_connector
-        connector.bind_connector_metadata(output.kv_connector_metadata)
         result = ModelRunnerOutput(sampled_token_ids={})
         if not output.is_empty:
-            connector.start_load_kv()
             self._forward_and_sample(output, result)
             connector.wait_for_save()
         result.finished_sending, result.finished_recving = connector.get_finished(output.finished_request_ids)
+        result.invalid_block_ids = connector.get_block_ids_with_load_errors()
+        result.kv_connector_output = connector.take_connector_output()
         return result
 
     def _forward_and_sample(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:

@@ -20,6 +20,7 @@ from chunkserve.model.fingerprint import model_fingerprint
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import TORCH_DTYPES, load_model, load_model_config
 from chunkserve.sampling_params import SamplingParams
+from chunkserve.worker.disk_tier import DiskTierWorker
 from chunkserve.worker.kv_cache import num_blocks_for_memory
 from chunkserve.worker.model_runner import ModelRunner
 
@@ -46,15 +47,23 @@ class Worker:
         self.model = load_model(self.source, self.model_config, self.config.dtype, max_model_len)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV pool and the runner over it (after `load_model`)."""
+        """Allocate the KV pool and the runner over it (after `load_model`); with
+        `enable_hierarchical_cache`, the disk KV tier's worker side goes with it."""
         assert self.model is not None, "load_model first"
         config = self.config
         self.num_blocks = num_blocks
+        if self.kv_connector is None and config.enable_hierarchical_cache:
+            self.kv_connector = DiskTierWorker.from_args(config, self.kv_fingerprint())
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size, config.seed,
                                   config.op_backend, self.kv_connector)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Stop the KV connector's threads (the engine settled its work first)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def kv_fingerprint(self) -> ModelFingerprint:
         """What KV this worker writes: its model's weights, tokenizer and KV layout."""

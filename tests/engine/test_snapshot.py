@@ -10,7 +10,7 @@ import random
 import pytest
 
 from chunkserve.config.engine import EngineArgs
-from chunkserve.core.kv.snapshot import RequestSnapshot, SnapshotError
+from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import SamplingParams

@@ -10,6 +10,7 @@ they cost nothing to take back.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 
 class BlockPool:
@@ -24,6 +25,10 @@ class BlockPool:
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # block hash -> the block holding that prefix
         self.num_evictions = 0
+        # told (block id, block hash) when a cached block is evicted (its KV is about to be
+        # overwritten) and when a block becomes cached (its KV is computed): a KV tier's hooks
+        self.on_evict: Callable[[int, bytes], None] | None = None
+        self.on_cache: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,6 +88,8 @@ class BlockPool:
         if self._hash_of[block_id] is None and block_hash not in self._cached:
             self._hash_of[block_id] = block_hash
             self._cached[block_hash] = block_id
+            if self.on_cache is not None:
+                self.on_cache(block_id, block_hash)
 
     def check(self, holders: Counter[int]) -> list[str]:
         """What is inconsistent, given how many holders each block has: its reference count
@@ -105,6 +112,10 @@ class BlockPool:
     def is_cached(self, block_id: int) -> bool:
         return self._hash_of[block_id] is not None
 
+    def cached_blocks(self) -> list[tuple[bytes, int]]:
+        """(block hash, block id) of every cached block, held or free, oldest cached first."""
+        return list(self._cached.items())
+
     def reset_cache(self) -> bool:
         """Forget every cached prefix; refused (False) unless no request holds any block."""
         if len(self._free) != self.num_blocks:
@@ -120,3 +131,5 @@ class BlockPool:
             del self._cached[block_hash]
             self._hash_of[block_id] = None
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block_id, block_hash)

@@ -118,6 +118,9 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
+    # blocks the connector failed to load (vLLM's name): their requests recompute from the first one
+    invalid_block_ids: set[int] = field(default_factory=set)
+    kv_connector_output: object = None  # the connector's worker side to its scheduler side (its own type)
 
 
 class EngineCoreOutput(NamedTuple):
@@ -146,6 +149,22 @@ def hit_rate(hits: int, queries: int) -> float:
 
 
 @dataclass(frozen=True)
+class KVTierStats:
+    """A KV tier's running totals (the disk tier's, /metrics' `chunkserve:hicache_*`): what its
+    loads supplied (tokens that were not computed) and cost, what its stores wrote and cost,
+    blocks found corrupt (each a miss, recomputed), and what it holds now."""
+
+    hit_tokens_total: int = 0
+    load_bytes_total: int = 0
+    load_seconds_total: float = 0.0
+    store_bytes_total: int = 0
+    store_seconds_total: float = 0.0
+    corrupt_blocks_total: int = 0
+    stored_files: int = 0
+    stored_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     """The scheduler's queues and KV pool at one moment (what /metrics shows as gauges)."""
 
@@ -157,6 +176,7 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queries_total: int  # prompt tokens of admitted requests (first admissions, not recomputes)
     prefix_cache_hits_total: int  # of those, found there
+    kv_tier: KVTierStats | None = None  # the KV connector's tier (disk tier), when it has one
 
     @property
     def prefix_cache_hit_rate(self) -> float:

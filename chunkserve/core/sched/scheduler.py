@@ -66,6 +66,7 @@ class Scheduler:
         self._clock = clock
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.connector = kv_connector or NoOpConnector()
+        self.connector.bind_kv_cache(self.kv)
         self.chunking = ChunkPolicy(config, predictor)
         self.admission = AdmissionPolicy(config, predictor)
         self.requests: dict[str, Request] = {}
@@ -101,7 +102,9 @@ class Scheduler:
         already computed: its full blocks are named by `block_hashes`, and `has_payload[i]` says
         whether block i's KV came with it (the partial last block always does). Blocks this pool
         caches are reused, the others allocated; returns the blocks to fill from the snapshot, as
-        (block id, snapshot block index). Raises (taking nothing) when it cannot run here now."""
+        (block id, snapshot block index). The caller fills them, then registers the full ones in
+        the prefix cache (`kv.cache_full_blocks`). Raises (taking nothing) when it cannot run here
+        now."""
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         num_computed = request.num_computed_tokens
@@ -129,7 +132,6 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.append(request)
             return []
-        self.kv.cache_full_blocks(request, num_computed)  # filled before the next step runs
         self._start_running(request)
         table = self.kv.block_table(request.request_id)
         return [(table[i], i) for i in range(len(cached), num_blocks)]
@@ -155,9 +157,10 @@ class Scheduler:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        """Requests waiting or running, or finished ones whose KV the connector is still sending
-        (the engine keeps stepping until the worker reports them sent)."""
-        return bool(self.waiting or self.running or self._sending)
+        """Requests waiting or running, or finished ones whose KV the connector is still sending,
+        or connector work still pending (a KV tier's saves): the engine keeps stepping (an
+        empty step still runs the worker's side of the connector) until all of it is done."""
+        return bool(self.waiting or self.running or self._sending or self.connector.has_pending_work())
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -169,6 +172,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions,
             prefix_cache_queries_total=self.prefix_cache_queries,
             prefix_cache_hits_total=self.prefix_cache_hits,
+            kv_tier=self.connector.get_kv_connector_stats(),
         )
 
     def check(self) -> list[str]:
@@ -181,8 +185,21 @@ class Scheduler:
         return problems
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; refused (False) while any request is unfinished."""
-        return not self.has_unfinished_requests() and self.kv.reset_prefix_cache()
+        """Forget every cached prefix: the pool's, and what the KV connector caches (with the
+        disk tier, its files of this model are removed). Refused (False) while any request is
+        unfinished (a tier's writes still in flight do not count: they are removed as they land)."""
+        if self.waiting or self.running or self._sending or not self.kv.reset_prefix_cache():
+            return False
+        self.connector.reset_cache()
+        return True
+
+    def schedule_connector_only(self) -> SchedulerOutput:
+        """A step that computes nothing and carries only the KV connector's metadata (its
+        saves, loads and cancels), to settle the connector outside the normal steps (at
+        shutdown); run it and pass its output to `update_from_output` as any step's."""
+        output = SchedulerOutput(scheduled=[], new_requests=[])
+        output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        return output
 
     # ----- one step -----------------------------------------------------------------
 
@@ -304,7 +321,10 @@ class Scheduler:
         cached_blocks, num_cached = self.kv.get_computed_blocks(request)
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_cached)
         if num_external and load_async:
-            return self._await_remote_kv(request, cached_blocks, num_cached + num_external)
+            admission = self._await_remote_kv(request, cached_blocks, num_cached + num_external)
+            if admission != Admission.STOP and request.num_preemptions == 0:
+                step.count_prefix_query(request.num_tokens, num_cached)  # the pool's hit; the connector's apart
+            return admission
         start = num_cached + num_external
         available = self.kv.num_available_blocks(cached_blocks)
         if request.num_preemptions and any(map(self._may_run, self.running)) and available < self.kv.num_blocks_for(
@@ -345,11 +365,18 @@ class Scheduler:
         return Admission.SKIPPED
 
     def _connector_progress(self, runner_output: ModelRunnerOutput) -> None:
+        self.connector.update_connector_output(runner_output.kv_connector_output)
+        invalid = runner_output.invalid_block_ids
         for request_id in runner_output.finished_recving:
             request = self.requests.get(request_id)
             num_tokens = self._remote_kv_tokens.pop(request_id, None)
             if request is None or num_tokens is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
+            if invalid:  # a block failed to load: the request computes from the first such block
+                table = self.kv.block_table(request_id)
+                first_bad = next((i for i, block_id in enumerate(table) if block_id in invalid), None)
+                if first_bad is not None:
+                    num_tokens = min(num_tokens, first_bad * self.config.block_size)
             request.num_computed_tokens = min(num_tokens, request.num_tokens - 1)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = request.num_computed_tokens

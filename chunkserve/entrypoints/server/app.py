@@ -18,6 +18,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -57,7 +58,7 @@ MAX_VALIDATION_ERRORS = 3
 SHUTDOWN_BACKSTOP_S = 5.0  # after the grace period and the aborts, uvicorn cancels what is left
 ENGINE_DEATH_SHUTDOWN_S = 3.0  # a dead engine's requests have failed already: the server exits quickly
 RESTART_RETRY_AFTER_S = "10"  # what a client is told to wait while a new engine core loads
-ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/debug/steps", "/debug/check"})
+ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/debug/steps", "/debug/check", "/export_request", "/import_request"})
 
 
 def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: ServerArgs) -> FastAPI:
@@ -113,6 +114,17 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
                                "retry when the server is idle", "conflict_error")
         return {}
 
+    @app.post("/export_request")
+    async def export_request(rid: str, mode: Literal["copy", "pause"] = "copy"):
+        """A request in flight as a snapshot (application/octet-stream) that /import_request on a
+        server of the same model continues; `pause` ends it here (finish_reason "abort")."""
+        return await serving.export_request(rid, mode)
+
+    @app.post("/import_request")
+    async def import_request(raw: Request, stream: bool = False):
+        """Continue a request from /export_request's bytes (the body); answered like /generate."""
+        return await serving.import_request(await raw.body(), stream, raw)
+
     @app.get("/debug/steps")
     async def debug_steps(last: int = 100):
         if last < 1:
@@ -128,7 +140,7 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
     document_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                                   "/generate": GenerateRequest})
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes,
-                       read_timeout_s=args.request_read_timeout)
+                       read_timeout_s=args.request_read_timeout, unlimited_paths=frozenset({"/import_request"}))
     app.add_middleware(  # outermost: checked before the body is read
         ApiKeyMiddleware, api_key=args.api_key or os.environ.get("CHUNKSERVE_API_KEY") or None,
         admin_api_key=args.admin_api_key or os.environ.get("CHUNKSERVE_ADMIN_API_KEY") or None,

@@ -83,6 +83,20 @@ class EngineMetrics:
         self.requests_aborted_unread = counter(
             "requests_aborted_unread", "Streamed requests aborted because their client left "
             "--max-unread-outputs outputs unread").labels(**labels)
+        # the disk KV tier (--enable-hierarchical-cache); the pool's own hits are prefix_cache_hits
+        self.hicache_hit_tokens = counter(
+            "hicache_hit_tokens", "Prompt tokens loaded from the disk KV tier (not computed)").labels(**labels)
+        self.hicache_load_bytes = counter("hicache_load_bytes", "Bytes read from the disk KV tier").labels(**labels)
+        self.hicache_load_seconds = counter(
+            "hicache_load_seconds", "Seconds the disk KV tier's I/O thread spent reading (and checking) blocks"
+        ).labels(**labels)
+        self.hicache_store_bytes = counter("hicache_store_bytes", "Bytes written to the disk KV tier").labels(**labels)
+        self.hicache_store_seconds = counter(
+            "hicache_store_seconds", "Seconds the disk KV tier's I/O thread spent writing blocks").labels(**labels)
+        self.hicache_corrupt_blocks = counter(
+            "hicache_corrupt_blocks", "Disk KV tier block files found corrupt or not this model's (removed, "
+            "their tokens recomputed)").labels(**labels)
+        self.hicache_stored_bytes = gauge("hicache_stored_bytes", "Bytes of block files the disk KV tier holds")
         self._totals_seen: dict[Counter, int] = {}
 
     def observe(self, record: StepRecord | None, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
@@ -99,12 +113,21 @@ class EngineMetrics:
         self._count_up_to(self.num_preemptions, stats.num_preemptions_total)
         self._count_up_to(self.prefix_cache_queries, stats.prefix_cache_queries_total)
         self._count_up_to(self.prefix_cache_hits, stats.prefix_cache_hits_total)
+        tier = stats.kv_tier
+        if tier is not None:
+            self._count_up_to(self.hicache_hit_tokens, tier.hit_tokens_total)
+            self._count_up_to(self.hicache_load_bytes, tier.load_bytes_total)
+            self._count_up_to(self.hicache_load_seconds, tier.load_seconds_total)
+            self._count_up_to(self.hicache_store_bytes, tier.store_bytes_total)
+            self._count_up_to(self.hicache_store_seconds, tier.store_seconds_total)
+            self._count_up_to(self.hicache_corrupt_blocks, tier.corrupt_blocks_total)
+            self.hicache_stored_bytes.set(tier.stored_bytes)
 
     def observe_frontend(self, num_unread_aborts: int) -> None:
         """The frontend's own totals (read when /metrics is rendered)."""
         self._count_up_to(self.requests_aborted_unread, num_unread_aborts)
 
-    def _count_up_to(self, counter: Counter, total: int) -> None:
+    def _count_up_to(self, counter: Counter, total: float) -> None:
         """Advance a counter to the engine's running total (a total below the last one seen is a
         new engine core's, counting from 0 again)."""
         seen = self._totals_seen.get(counter, 0)

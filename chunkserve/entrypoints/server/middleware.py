@@ -97,21 +97,25 @@ class BodySizeLimitMiddleware:
     or trickles would otherwise hold its connection and the route's task forever).
 
     A client that disconnects mid-upload is nobody's error: the request ends without a
-    response or a log line.
+    response or a log line. `unlimited_paths` (admin routes whose bodies are request snapshots,
+    tens of MB of KV, behind the admin key) keep the deadline but not the size limit.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float,
+                 unlimited_paths: frozenset[str] = frozenset()) -> None:
         if read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be positive, got {read_timeout_s}")
         self.app = app
         self.max_bytes = max_bytes
         self.read_timeout_s = read_timeout_s
+        self.unlimited_paths = unlimited_paths
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        max_bytes = float("inf") if route_path(scope) in self.unlimited_paths else self.max_bytes
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             return await self._refuse(send)
         messages: list[dict[str, Any]] = []
         size = 0
@@ -127,7 +131,7 @@ class BodySizeLimitMiddleware:
                 return
             messages.append(message)
             size += len(message.get("body", b""))
-            if size > self.max_bytes:
+            if size > max_bytes:
                 return await self._refuse(send)
             if not message.get("more_body", False):
                 break

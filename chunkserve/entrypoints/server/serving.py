@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.sched.output import TokenLogprobs
 from chunkserve.engine.async_llm import AsyncLLM, RequestStream
 from chunkserve.engine.outputs import RequestOutput
@@ -26,7 +27,7 @@ from chunkserve.entrypoints.server.protocol import (
     error_body,
 )
 from chunkserve.errors import InvalidRequestError
-from chunkserve.sampling_params import SamplingParams
+from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 
 Event = dict[str, Any]
 # SGLang's names in /generate's sampling_params for SamplingParams' fields
@@ -167,6 +168,13 @@ class Serving:
         request_id = body.rid or f"gen-{uuid.uuid4().hex}"
         streams = await self._add_all(request_id, [prompt], body.sampling_params.to_sampling_params(body.stream), 0,
                                       body.cache_salt, GENERATE_FIELDS)
+        return await self._generate_response(request_id, streams[0], body.stream, raw)
+
+    async def _generate_response(self, request_id: str, stream: RequestStream, streamed: bool, raw: Request,
+                                 text_before: str = "", token_ids_before: tuple[int, ...] = ()
+                                 ) -> JSONResponse | StreamingResponse:
+        """/generate's answer (SGLang's shape). `text_before`/`token_ids_before`: the output an
+        imported request had when it was exported, which a stream's events include."""
 
         def result(output: RequestOutput, text: str, token_ids: list[int]) -> Event:
             completion = output.outputs[0]
@@ -183,19 +191,38 @@ class Serving:
                 },
             }
 
-        if not body.stream:
-            (output,) = await _unless_disconnected(raw, _collect(streams))
+        if not streamed:
+            (output,) = await _unless_disconnected(raw, _collect([stream]))
             return JSONResponse(result(output, output.outputs[0].text, list(output.outputs[0].token_ids)))
 
         async def events() -> AsyncIterator[str]:  # SGLang streams the whole text so far in every event
-            text, token_ids = "", []
-            async for _, output in _merge(streams):
+            text, token_ids = text_before, list(token_ids_before)
+            async for _, output in _merge([stream]):
                 text += output.outputs[0].text_delta
                 token_ids += output.outputs[0].new_token_ids
                 yield sse(result(output, text, list(token_ids)))
             yield sse("[DONE]")
 
-        return _event_stream(events(), streams)
+        return _event_stream(events(), [stream])
+
+    # ----- snapshots: a request moved between servers ---------------------------------------
+
+    async def export_request(self, request_id: str, mode: str) -> Response:
+        """The request's snapshot (RequestSnapshot's bytes) as of the last step."""
+        snapshot = await self.engine.export_request(request_id, mode)
+        return Response(snapshot.to_bytes(), media_type="application/octet-stream",
+                        headers={"X-Request-Id": request_id})
+
+    async def import_request(self, data: bytes, streamed: bool, raw: Request) -> JSONResponse | StreamingResponse:
+        """Continue an exported request here; answered like /generate, its output including
+        what it had generated before the export."""
+        snapshot = RequestSnapshot.from_bytes(data)
+        kind = RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY
+        stream = await self.engine.import_request(snapshot, output_kind=kind)
+        detokenizer = (snapshot.frontend_state or {}).get("detokenizer")
+        text_before = "" if detokenizer is None else detokenizer["text"][: detokenizer["num_emitted"]]
+        return await self._generate_response(stream.request_id, stream, streamed, raw, text_before,
+                                             tuple(snapshot.output_token_ids))
 
     # ----- helpers ----------------------------------------------------------------------------
 
