@@ -220,10 +220,12 @@ class AsyncLLM:
         self._core.send(CallCore(ticket, method))
         return await done
 
-    async def export_request(self, request_id: str, mode: str = "copy") -> RequestSnapshot:
+    async def export_request(self, request_id: str, mode: str = "copy",
+                             skip_block_hashes: frozenset[bytes] = frozenset()) -> RequestSnapshot:
         """Snapshot a request in flight between two steps, with this frontend's state, so that
         another engine of the same model continues it (`import_request`). `pause` hands it
-        over: its stream here ends with finish_reason "abort" and no more text."""
+        over: its stream here ends with finish_reason "abort" and no more text. Blocks named in
+        `skip_block_hashes` (the destination caches them) travel without their KV."""
         loop = asyncio.get_running_loop()
         done, ticket = loop.create_future(), next(self._tickets)
         with self._lock:
@@ -233,7 +235,7 @@ class AsyncLLM:
                 raise InvalidRequestError(f"no unfinished request {request_id!r} to export")
             self._calls[ticket] = (loop, done)
             self._exports[ticket] = (core_id, mode)
-        self._core.send(ExportRequest(ticket, core_id, mode))
+        self._core.send(ExportRequest(ticket, core_id, mode, frozenset(skip_block_hashes)))
         return await done
 
     def _finish_export(self, snapshot: RequestSnapshot | None, error: BaseException | None, core_id: str,
@@ -243,8 +245,9 @@ class AsyncLLM:
         request_id = core_id.rsplit("#", 1)[0]
         if not self.output_processor.has_request(core_id):  # it finished before the export reached the core
             return None, InvalidRequestError(f"request {request_id!r} finished before it could be exported")
-        if error is not None:  # the core's message names the request by the caller's id
-            return None, type(error)(str(error).replace(repr(core_id), repr(request_id)))
+        if error is not None:  # the core's message, naming the request by the caller's id
+            kind = InvalidRequestError if isinstance(error, InvalidRequestError) else RuntimeError
+            return None, kind(str(error).replace(repr(core_id), repr(request_id)))
         snapshot.frontend_state = self.output_processor.export_state(core_id)
         if mode == "pause":
             last = self.output_processor.pause_for_export(core_id, time.time())
@@ -275,10 +278,10 @@ class AsyncLLM:
             self._check_alive()
             if external_id in self._core_ids:
                 raise InvalidRequestError(f"request id {external_id!r} is already in use")
-            self._core_ids[external_id] = core_id
-            self._accepting[core_id] = (loop, accepted, outputs, external_id, final_only)
             self.output_processor.add_imported(request, snapshot.output_token_ids, snapshot.frontend_state,
                                                external_id)
+            self._core_ids[external_id] = core_id
+            self._accepting[core_id] = (loop, accepted, outputs, external_id, final_only)
         self._core.send(ImportRequest(snapshot, core_id))
         abort = functools.partial(self._abort_in_core, [core_id])
         try:

@@ -35,7 +35,9 @@ from chunkserve.model.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 MAX_STEP_RECORDS = 100_000
-KV_SETTLE_TIMEOUT_S = 60.0  # at shutdown, the longest the KV connector's pending writes are waited for
+# at shutdown, the longest the KV connector's pending writes are waited for: within the 30 s the server's
+# frontend gives the engine process to exit (AsyncLLM.shutdown)
+KV_SETTLE_TIMEOUT_S = 20.0
 EXPORT_MODES = ("copy", "pause")
 
 
@@ -55,11 +57,11 @@ class EngineCore:
         self.executor.load_model(self.max_model_len)
         self.executor.initialize_kv_cache(num_blocks)
         self.predictor = StepTimePredictor()
+        self._fingerprint: ModelFingerprint | None = None
         if kv_connector is None and config.enable_hierarchical_cache:
-            kv_connector = DiskTierScheduler.from_args(config, self.executor.collective_rpc("kv_fingerprint")[0])
+            kv_connector = DiskTierScheduler.from_args(config, self.fingerprint)
         self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector)
         self.triage = StepFailureTriage()
-        self._fingerprint: ModelFingerprint | None = None
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self._next_step_id = 0
         if self.scheduler_config.tbt_slo_ms is not None or self.scheduler_config.ttft_slo_ms is not None:
@@ -150,11 +152,12 @@ class EngineCore:
         InvalidRequestError before anything is allocated."""
         snapshot.verify(self.fingerprint)
         params = snapshot.sampling_params
-        if snapshot.num_tokens > self.max_model_len:
-            raise InvalidRequestError(f"the imported request has {snapshot.num_tokens} tokens, more than this "
-                                      f"engine's max_model_len ({self.max_model_len})")
         if params.max_tokens is None or len(snapshot.output_token_ids) >= params.max_tokens:
             raise InvalidRequestError("the imported request has no tokens left to generate (max_tokens)")
+        longest = len(snapshot.prompt_token_ids) + params.max_tokens
+        if longest > self.max_model_len:
+            raise InvalidRequestError(f"the imported request may reach {longest} tokens (prompt + max_tokens), more "
+                                      f"than this engine's max_model_len ({self.max_model_len})")
         request = Request(
             request_id=request_id or snapshot.request_id, prompt_token_ids=list(snapshot.prompt_token_ids),
             sampling_params=params, eos_token_id=snapshot.eos_token_id, arrival_time=snapshot.arrival_time,
@@ -166,11 +169,15 @@ class EngineCore:
         num_full = snapshot.num_computed_tokens // self.config.block_size
         fills = self.scheduler.import_request(request, [b.block_hash for b in snapshot.blocks[:num_full]],
                                               [b.payload is not None for b in snapshot.blocks])
-        if fills:
-            self.flush_kv_connector()  # blocks the allocation evicted are saved before they are overwritten
-            self.executor.collective_rpc("write_kv_blocks", ([block_id for block_id, _ in fills],
-                                                             [snapshot.blocks[i].payload for _, i in fills]))
-        self.scheduler.kv.cache_full_blocks(request, request.num_computed_tokens)
+        try:
+            if fills:
+                self.flush_kv_connector()  # blocks the allocation evicted are saved before they are overwritten
+                self.executor.collective_rpc("write_kv_blocks", ([block_id for block_id, _ in fills],
+                                                                 [snapshot.blocks[i].payload for _, i in fills]))
+            self.scheduler.kv.cache_full_blocks(request, request.num_computed_tokens)
+        except BaseException:  # its blocks were never filled: they must not stay, let alone be cached
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            raise
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -83,7 +83,7 @@ class EngineCoreLoop:
             self.emit(CoreCallResult(command.ticket, getattr(self.core, command.method)()))
         elif isinstance(command, ExportRequest):
             try:
-                snapshot = self.core.export_request(command.request_id, command.mode)
+                snapshot = self.core.export_request(command.request_id, command.mode, command.skip_block_hashes)
             except Exception as error:  # refused (InvalidRequestError) or a bug: the caller is told
                 self.emit(CoreCallResult(command.ticket, None, _picklable(error)))
             else:

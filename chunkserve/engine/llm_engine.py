@@ -59,12 +59,13 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         return self._process(self.engine_core.abort_requests(ids), time.time())
 
-    def export_request(self, request_id: str, mode: str = "copy") -> RequestSnapshot:
+    def export_request(self, request_id: str, mode: str = "copy",
+                       skip_block_hashes: frozenset[bytes] = frozenset()) -> RequestSnapshot:
         """The request's snapshot as of the last step, with this frontend's state (see
         EngineCore.export_request); `pause` ends it here without another output."""
         if not self.output_processor.has_request(request_id):
             raise InvalidRequestError(f"no unfinished request {request_id!r} to export")
-        snapshot = self.engine_core.export_request(request_id, mode)
+        snapshot = self.engine_core.export_request(request_id, mode, frozenset(skip_block_hashes))
         snapshot.frontend_state = self.output_processor.export_state(request_id)
         if mode == "pause":
             self.output_processor.pause_for_export(request_id, time.time())

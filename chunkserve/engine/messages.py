@@ -78,6 +78,7 @@ class ExportRequest:
     ticket: int
     request_id: str
     mode: Literal["copy", "pause"]
+    skip_block_hashes: frozenset[bytes] = frozenset()  # the destination caches them: no payload
 
 
 @dataclass

@@ -72,18 +72,23 @@ class OutputProcessor:
     def add_imported(self, request: EngineCoreRequest, output_token_ids: list[int], exported: dict | None,
                      external_id: str) -> None:
         """Track an imported request, continuing from the frontend state it was exported with
-        (`export_state`); without one, its output so far counts as already handed out."""
+        (`export_state`); without one, its output so far counts as already handed out. Raises
+        InvalidRequestError (tracking nothing) if that state cannot be restored."""
         self.add_request(request, None if exported is None else exported["prompt"], external_id)
         state = self._states[request.request_id]
-        if exported is None:
-            state.detokenizer.add_tokens(output_token_ids)
-            state.detokenizer.delta(finished=False)
-            return
-        state.detokenizer.restore(output_token_ids, exported["detokenizer"])
-        state.metrics = RequestMetrics(**exported["metrics"])
-        if state.logprobs is not None and exported["logprobs"] is not None:
-            state.logprobs = [TokenLogprobs(token, logprob, [tuple(t) for t in top])
-                              for token, logprob, top in exported["logprobs"]]
+        try:
+            if exported is None:
+                state.detokenizer.add_tokens(output_token_ids)
+                state.detokenizer.delta(finished=False)
+                return
+            state.detokenizer.restore(output_token_ids, exported["detokenizer"])
+            state.metrics = RequestMetrics(**exported["metrics"])
+            if state.logprobs is not None and exported["logprobs"] is not None:
+                state.logprobs = [TokenLogprobs(token, logprob, [tuple(t) for t in top])
+                                  for token, logprob, top in exported["logprobs"]]
+        except (KeyError, TypeError, ValueError) as error:
+            del self._states[request.request_id]
+            raise InvalidRequestError(f"the snapshot's frontend state cannot be restored: {error!r}") from None
 
     def export_state(self, request_id: str) -> dict:
         """The request's frontend state for a snapshot (JSON-ready): its caller's id, prompt

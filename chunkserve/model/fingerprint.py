@@ -51,8 +51,11 @@ def _hashes(path: str, kind: str, size: int, mtime_ns: int) -> tuple[str, str]:
 
 
 def _file_hash(path: str) -> str:
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _files_hash(paths: list[str]) -> str:

@@ -112,14 +112,17 @@ class ModelRunner:
         problem, generator = None, None
         tokens = new.prompt_token_ids + new.output_token_ids
         if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
-            problem = f"a prompt token id is outside the vocabulary [0, {self.vocab_size})"
+            problem = f"a token id of the request is outside the vocabulary [0, {self.vocab_size})"
         try:
             if new.sampling_params.seed is not None:
                 generator = torch.Generator().manual_seed(new.sampling_params.seed)
-                if new.generator_state is not None:  # an imported request continues its stream
-                    generator.set_state(torch.frombuffer(bytearray(new.generator_state), dtype=torch.uint8))
         except (RuntimeError, TypeError, OverflowError) as error:
             problem = f"seed {new.sampling_params.seed!r} is not usable: {error}"
+        if generator is not None and new.generator_state is not None:  # an imported request continues its stream
+            try:
+                generator.set_state(torch.frombuffer(bytearray(new.generator_state), dtype=torch.uint8))
+            except (RuntimeError, TypeError, ValueError) as error:
+                problem = f"the imported request's generator state is not usable: {error}"
         state = SamplingState(
             params=new.sampling_params,
             token_ids=list(tokens),

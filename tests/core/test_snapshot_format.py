@@ -3,6 +3,7 @@ not a whole snapshot are refused with a message saying so."""
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -25,7 +26,8 @@ def snapshot() -> RequestSnapshot:
         b"\x01\x02", eos_token_id=2, arrival_time=12.5, priority=1, cache_salt="s", num_cached_tokens=2,
         blocks=[SnapshotBlock(hash_block(root_hash("s"), tokens[:2]), zlib.crc32(payloads[0]), payloads[0]),
                 SnapshotBlock(None, zlib.crc32(payloads[1]), payloads[1])],
-        frontend_state={"request_id": "r", "detokenizer": {"text": "é"}},
+        frontend_state={"request_id": "r", "prompt": None, "metrics": {}, "logprobs": None,
+                        "detokenizer": {"text": "é", "prefix_offset": 0, "read_offset": 1, "num_emitted": 1}},
     )
 
 
@@ -48,3 +50,11 @@ def test_malformed_snapshot_bytes_are_refused():
         RequestSnapshot.from_bytes(data[:20] + b"}" + data[21:])
     with pytest.raises(SnapshotError, match="version 7 is not supported"):
         RequestSnapshot.from_bytes(data[:9] + b"\x07" + data[10:])
+    with pytest.raises(SnapshotError, match="frontend state has fields"):
+        RequestSnapshot.from_bytes(dataclasses.replace(snapshot(), frontend_state={"request_id": "r"}).to_bytes())
+
+
+@pytest.mark.parametrize("prompt, message", [([], "empty prompt"), ([5, 6.5], "not all integers")])
+def test_verify_refuses_impossible_tokens(prompt, message):
+    with pytest.raises(SnapshotError, match=message):
+        dataclasses.replace(snapshot(), prompt_token_ids=prompt).verify(FINGERPRINT)

@@ -170,9 +170,8 @@ def test_blocks_the_destination_caches_travel_without_payload(tiny_model_dir):
     cached = {b.block_hash for b in full.blocks if b.block_hash is not None
               and destination.engine_core.scheduler.kv.pool.lookup(b.block_hash) is not None}
     assert len(cached) == 4
-    delta = llm.export_request("r", "pause")
-    delta = through_the_wire(dataclasses.replace(
-        delta, blocks=[dataclasses.replace(b, payload=None) if b.block_hash in cached else b for b in delta.blocks]))
+    delta = through_the_wire(llm.export_request("r", "pause", skip_block_hashes=frozenset(cached)))
+    assert [b.payload is None for b in delta.blocks] == [b.block_hash in cached for b in delta.blocks]
     assert len(delta.to_bytes()) < len(full.to_bytes()) // 2
     destination.import_request(delta)
     assert run_to_end(destination, "r").outputs[0].token_ids == reference
@@ -196,6 +195,10 @@ def tampered(snapshot: RequestSnapshot, what: str) -> RequestSnapshot:
         copy.prompt_token_ids = [copy.prompt_token_ids[0] + 1, *copy.prompt_token_ids[1:]]
     elif what == "block count":
         copy.blocks = copy.blocks[:-1]
+    elif what == "frontend state":
+        copy.frontend_state = {**copy.frontend_state, "metrics": {"arrival": 1.0}}
+    elif what == "too long":
+        copy.sampling_params = dataclasses.replace(copy.sampling_params, max_tokens=10_000)
     return copy
 
 
@@ -206,6 +209,8 @@ def tampered(snapshot: RequestSnapshot, what: str) -> RequestSnapshot:
     ("missing block", "block 0's KV was left out"),
     ("tokens", "block 0's hash does not match its tokens"),
     ("block count", "KV blocks but its"),
+    ("frontend state", "frontend state cannot be restored"),
+    ("too long", "may reach 10040 tokens .prompt \\+ max_tokens., more than this engine's max_model_len"),
 ])
 def test_a_tampered_or_mismatched_snapshot_is_refused_with_nothing_allocated(tiny_model_dir, what, message):
     llm, destination = engine(tiny_model_dir), engine(tiny_model_dir)

@@ -87,7 +87,11 @@ class RequestSnapshot:
         problem = fingerprint.mismatch(self.fingerprint)
         if problem is not None:
             raise SnapshotError(f"snapshot of request {self.request_id!r} is from another model: {problem}")
-        if not 0 <= self.num_computed_tokens < max(self.num_tokens, 1):
+        if not self.prompt_token_ids:
+            raise SnapshotError("snapshot has an empty prompt")
+        if not all(type(t) is int for t in self.all_token_ids):
+            raise SnapshotError("snapshot's token ids are not all integers")
+        if not 0 <= self.num_computed_tokens < self.num_tokens:
             raise SnapshotError(f"snapshot claims {self.num_computed_tokens} computed tokens of {self.num_tokens}")
         block_size, block_bytes = fingerprint.layout.block_size, fingerprint.layout.block_bytes
         num_full, partial = divmod(self.num_computed_tokens, block_size)
@@ -155,6 +159,7 @@ class RequestSnapshot:
                                             int(raw["crc32"]), payload))
             if offset != len(view):
                 raise SnapshotError(f"request snapshot has {len(view) - offset} bytes after its last block")
+            check_frontend_state(header["frontend_state"])
             state = header.pop("generator_state")
             return cls(
                 fingerprint=ModelFingerprint.from_dict(header.pop("fingerprint")),
@@ -166,6 +171,27 @@ class RequestSnapshot:
             raise
         except (ValueError, KeyError, TypeError) as error:  # malformed JSON or fields
             raise SnapshotError(f"request snapshot header is malformed: {error}") from None
+
+
+FRONTEND_STATE_FIELDS = {"request_id": str, "prompt": (str, type(None)), "detokenizer": dict, "metrics": dict,
+                         "logprobs": (list, type(None))}
+DETOKENIZER_FIELDS = {"text": str, "prefix_offset": int, "read_offset": int, "num_emitted": int}
+
+
+def check_frontend_state(state: object) -> None:
+    """The frontend's part of a snapshot has the shape the frontend restores (SnapshotError if not)."""
+    if state is None:
+        return
+    problem = None
+    if not isinstance(state, dict) or set(state) != set(FRONTEND_STATE_FIELDS):
+        problem = f"has fields {sorted(state) if isinstance(state, dict) else type(state).__name__}"
+    elif not all(isinstance(state[k], t) for k, t in FRONTEND_STATE_FIELDS.items()):
+        problem = "has a field of the wrong type"
+    elif set(state["detokenizer"]) != set(DETOKENIZER_FIELDS) or not all(
+            type(state["detokenizer"][k]) is t for k, t in DETOKENIZER_FIELDS.items()):
+        problem = "has a malformed detokenizer state"
+    if problem is not None:
+        raise SnapshotError(f"snapshot's frontend state {problem}")
 
 
 def _params_to_dict(params: SamplingParams) -> dict:

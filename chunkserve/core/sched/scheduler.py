@@ -118,8 +118,9 @@ class Scheduler:
         num_blocks = self.kv.num_blocks_for(num_computed)
         missing = [i for i in range(len(cached), num_blocks) if not has_payload[i]]
         if missing:
-            raise InvalidRequestError(f"snapshot block {missing[0]}'s KV was left out but this engine does not cache "
-                                      "it: export the request again with its payload")
+            raise InvalidRequestError(f"snapshot block {missing[0]}'s KV was left out but this engine's prefix cache "
+                                      "does not hold it after the blocks before it: export the request again with "
+                                      "its payload")
         if num_computed and len(self.running) + len(self._remote_kv_tokens) >= self.config.max_num_seqs:
             raise ServerOverloadedError(f"{self.config.max_num_seqs} requests are already running; retry the "
                                         "import later")

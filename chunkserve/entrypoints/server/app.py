@@ -115,10 +115,10 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
         return {}
 
     @app.post("/export_request")
-    async def export_request(rid: str, mode: Literal["copy", "pause"] = "copy"):
+    async def export_request(raw: Request, rid: str, mode: Literal["copy", "pause"] = "copy"):
         """A request in flight as a snapshot (application/octet-stream) that /import_request on a
         server of the same model continues; `pause` ends it here (finish_reason "abort")."""
-        return await serving.export_request(rid, mode)
+        return await serving.export_request(rid, mode, await raw.body())
 
     @app.post("/import_request")
     async def import_request(raw: Request, stream: bool = False):

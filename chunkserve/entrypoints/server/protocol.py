@@ -188,3 +188,9 @@ def output_kind(stream: bool) -> RequestOutputKind:
 def error_body(message: str, error_type: str, code: int, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+class ExportBody(_Body):
+    """/export_request's optional body: blocks the destination caches, by their hash (hex)."""
+
+    skip_block_hashes: Annotated[list[Annotated[str, Field(pattern="^[0-9a-f]{64}$")]], Field(max_length=1 << 16)] = []

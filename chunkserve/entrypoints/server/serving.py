@@ -22,6 +22,7 @@ from chunkserve.engine.outputs import RequestOutput
 from chunkserve.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ExportBody,
     GenerateRequest,
     TokenIds,
     error_body,
@@ -207,11 +208,13 @@ class Serving:
 
     # ----- snapshots: a request moved between servers ---------------------------------------
 
-    async def export_request(self, request_id: str, mode: str) -> Response:
-        """The request's snapshot (RequestSnapshot's bytes) as of the last step."""
-        snapshot = await self.engine.export_request(request_id, mode)
-        return Response(snapshot.to_bytes(), media_type="application/octet-stream",
-                        headers={"X-Request-Id": request_id})
+    async def export_request(self, request_id: str, mode: str, body: bytes) -> Response:
+        """The request's snapshot (RequestSnapshot's bytes) as of the last step. The body may
+        name blocks the destination caches (`{"skip_block_hashes": [hex, ...]}`): they travel
+        without their KV."""
+        skip = ExportBody.model_validate_json(body).skip_block_hashes if body else []
+        snapshot = await self.engine.export_request(request_id, mode, frozenset(bytes.fromhex(h) for h in skip))
+        return Response(snapshot.to_bytes(), media_type="application/octet-stream")
 
     async def import_request(self, data: bytes, streamed: bool, raw: Request) -> JSONResponse | StreamingResponse:
         """Continue an exported request here; answered like /generate, its output including

@@ -87,6 +87,8 @@ def test_snapshot_errors_are_client_errors(two_servers):
     with first.admin_client() as admin:
         missing = admin.post("/export_request", params={"rid": "nobody"})
         assert missing.status_code == 400 and "no unfinished request 'nobody'" in missing.json()["error"]["message"]
+        bad_hash = admin.post("/export_request", params={"rid": "nobody"}, json={"skip_block_hashes": ["zz"]})
+        assert bad_hash.status_code == 400 and "skip_block_hashes" in bad_hash.json()["error"]["message"]
         garbage = admin.post("/import_request", content=b"garbage")
         assert garbage.status_code == 400 and "bad magic" in garbage.json()["error"]["message"]
     with first.client() as http:  # the API key does not open admin endpoints
