@@ -8,12 +8,18 @@ they are computed), alternating the three in each round. Per configuration (medi
 rounds): TTFT p50/p99 per turn, prompt tokens served by the pool and by the tier, output
 tokens/s and decode TBT p99.
 
+Part 3 (preemption): a burst of long requests on the same small pool preempts some of them;
+a preempted request's full blocks are on disk with the tier (stored as computed, or as the pool
+evicts them), so it loads them back instead of computing them again: tier off against
+write_through, the preemptions and the tokens served from the tier, throughput and latency.
+
 Part 2 (restart): a long chat turn on a server with the tier, the server stopped (SIGTERM) and
 started again on the same folder, then the next turn: its TTFT and cached tokens against the
 same turn on a cold server (no tier), and whether the two outputs are identical.
 
     .venv/bin/python benchmarks/hicache.py --rounds 2
     .venv/bin/python benchmarks/hicache.py --rounds 1 --only restart
+    .venv/bin/python benchmarks/hicache.py --rounds 2 --only preemption
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ WORKLOADS = {
                "--input-len", "64", "--output-len", "32", "--request-rate", "1"],
 }
 RESTART_PROMPT_LEN = 2000
+# 12 requests at once, 512-token prompts, 256 output tokens: 48 blocks each, 576 in all, on 160
+PREEMPTION_WORKLOAD = ["--workload", "random", "--num-prompts", "12", "--input-len", "512", "--output-len", "256"]
 
 
 def free_port() -> int:
@@ -153,6 +161,37 @@ def part_workloads(rounds: int, workdir: str, log_path: str) -> dict:
             for key, values in rows.items()}
 
 
+def part_preemption(rounds: int, workdir: str, log_path: str) -> dict[str, dict]:
+    rows: dict[str, list[dict]] = {}
+    configs = {"tier off": [], "write_through": CONFIGS["write_through"]}
+    for round_index in range(rounds):
+        for label in configs if round_index % 2 == 0 else list(reversed(configs)):
+            tier_dir = tempfile.mkdtemp(dir=workdir, prefix="preempt-")
+            flags = [*SERVER_FLAGS, *configs[label]] + (["--hicache-storage-dir", tier_dir] if configs[label] else [])
+            server = Server(flags, log_path)
+            try:
+                print(f"round {round_index + 1}: {label}, preemption", file=sys.stderr)
+                parser = argparse.ArgumentParser()
+                add_arguments(parser)
+                before = server.metrics()
+                result = run_benchmark(parser.parse_args(["--base-url", server.url, *PREEMPTION_WORKLOAD,
+                                                          "--seed", "3"]))
+                after = server.metrics()
+            finally:
+                server.stop()
+                shutil.rmtree(tier_dir, ignore_errors=True)
+            summary = result["summary"]
+            rows.setdefault(label, []).append({
+                "preemptions": delta(after, before, "chunkserve:num_preemptions_total"),
+                "tier_hit_tokens": delta(after, before, "chunkserve:hicache_hit_tokens_total"),
+                "pool_hit_tokens": delta(after, before, "chunkserve:prefix_cache_hits_total"),
+                "output_tok_s": summary["output_token_throughput"],
+                "e2e_p50_s": summary["e2e_ms"]["p50"] / 1000, "e2e_p99_s": summary["e2e_ms"]["p99"] / 1000,
+                "tbt_p99_ms": summary["tbt_ms"]["p99"], "failed": summary["failed"],
+            })
+    return {label: {c: statistics.median(r[c] for r in values) for c in values[0]} for label, values in rows.items()}
+
+
 def generate(url: str, input_ids: list[int], max_new_tokens: int) -> dict:
     """Streamed /generate: the first event's arrival (TTFT) and the final event."""
     body = {"input_ids": input_ids, "stream": True,
@@ -202,7 +241,7 @@ def part_restart(rounds: int, workdir: str, log_path: str) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--only", choices=("workloads", "restart"), default=None)
+    parser.add_argument("--only", choices=("workloads", "restart", "preemption"), default=None)
     parser.add_argument("--workdir", default=None, help="tier folders and the servers' log (default: a temp dir)")
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
@@ -230,6 +269,15 @@ def main() -> None:
         for r in restarts:
             print(f"| {r['prompt_tokens']} | {r['warm_ttft_ms']:.0f} | {r['warm_cached_tokens']} | "
                   f"{r['cold_ttft_ms']:.0f} | {r['cold_cached_tokens']} | {r['identical_output']} |")
+    if args.only in (None, "preemption"):
+        table = part_preemption(args.rounds, workdir, log_path)
+        output["preemption"] = table
+        columns = list(next(iter(table.values())))
+        print(f"\npreemption: {' '.join(PREEMPTION_WORKLOAD)} on {POOL_BLOCKS} blocks (medians of {args.rounds})")
+        print("| config | " + " | ".join(columns) + " |")
+        print("|---|" + "---|" * len(columns))
+        for label, row in table.items():
+            print(f"| {label} | " + " | ".join(f"{row[c]:.1f}" for c in columns) + " |")
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump(output, f, indent=1)

@@ -214,12 +214,13 @@ class Serving:
         without their KV."""
         skip = ExportBody.model_validate_json(body).skip_block_hashes if body else []
         snapshot = await self.engine.export_request(request_id, mode, frozenset(bytes.fromhex(h) for h in skip))
-        return Response(snapshot.to_bytes(), media_type="application/octet-stream")
+        data = await asyncio.get_running_loop().run_in_executor(None, snapshot.to_bytes)  # tens of MB: off the loop
+        return Response(data, media_type="application/octet-stream")
 
     async def import_request(self, data: bytes, streamed: bool, raw: Request) -> JSONResponse | StreamingResponse:
         """Continue an exported request here; answered like /generate, its output including
         what it had generated before the export."""
-        snapshot = RequestSnapshot.from_bytes(data)
+        snapshot = await asyncio.get_running_loop().run_in_executor(None, RequestSnapshot.from_bytes, data)
         kind = RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY
         stream = await self.engine.import_request(snapshot, output_kind=kind)
         detokenizer = (snapshot.frontend_state or {}).get("detokenizer")
