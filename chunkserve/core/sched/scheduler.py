@@ -320,19 +320,21 @@ class Scheduler:
         if len(self.running) + len(self._remote_kv_tokens) >= self.config.max_num_seqs or step.budget < 1:
             return Admission.STOP  # (requests loading remote KV hold a sequence slot already)
         cached_blocks, num_cached = self.kv.get_computed_blocks(request)
-        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_cached)
-        if num_external and load_async:
-            admission = self._await_remote_kv(request, cached_blocks, num_cached + num_external)
-            if admission != Admission.STOP and request.num_preemptions == 0:
-                step.count_prefix_query(request.num_tokens, num_cached)  # the pool's hit; the connector's apart
-            return admission
-        start = num_cached + num_external
         available = self.kv.num_available_blocks(cached_blocks)
         if request.num_preemptions and any(map(self._may_run, self.running)) and available < self.kv.num_blocks_for(
                 request.num_prompt_tokens + request.max_tokens):
             return Admission.STOP  # it would only be preempted again: back when it can run to the end
         # the blocks running requests may take in this step are not the new request's to take
         kv_room = (available - len(self.running)) * self.config.block_size
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_cached)
+        if num_external and load_async:
+            if num_cached + num_external > kv_room:
+                return Admission.STOP
+            admission = self._await_remote_kv(request, cached_blocks, num_cached + num_external)
+            if admission != Admission.STOP and request.num_preemptions == 0:
+                step.count_prefix_query(request.num_tokens, num_cached)  # the pool's hit; the connector's apart
+            return admission
+        start = num_cached + num_external
         chunk = self.chunking.chunk(request, start, kv_room - start, step)
         if chunk.num_tokens == 0:
             return Admission.STOP
