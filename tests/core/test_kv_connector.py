@@ -137,3 +137,45 @@ def test_requests_loading_remote_kv_hold_a_sequence_slot():
         assert len(scheduler.running) + loading <= 1
         scheduler.update_from_output(output, runner.execute(output))
     assert_pool_free(scheduler)
+
+
+class TierLikeConnector(FakeRemoteConnector):
+    """Like a disk tier: a preempted request finds its computed blocks elsewhere and loads them."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not request.num_preemptions:
+            return 0, False
+        return max((request.num_tokens - 1) // BLOCK * BLOCK - num_computed_tokens, 0), True
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        self.to_load[request.request_id] = (list(block_ids), request)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return False, None
+
+
+def test_a_preempted_request_loading_its_kv_back_is_not_readmitted_to_thrash():
+    """The no-thrash rule holds for requests whose KV a connector loads back too: six requests each
+    growing to 30 blocks of a 64-block pool are each preempted at most once (11 times in all when
+    a load let a preempted request straight back in), with the outputs of an ample pool."""
+    specs = [(f"big{i}", 4 * 10, 4 * 20 - 1) for i in range(6)]
+    ample = run(make_scheduler(num_blocks=1000, max_num_batched_tokens=64), [make_request(*s) for s in specs])
+    connector = TierLikeConnector()
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=64, max_model_len=4 * 64, kv_connector=connector)
+    requests = [make_request(*s) for s in specs]
+    runner = FakeRunner()
+    for request in requests:
+        scheduler.add_request(request)
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        result = runner.execute(output)
+        for request_id, (block_ids, request) in output.kv_connector_metadata["load"].items():
+            runner.tables[request_id] = block_ids  # the KV its own computation wrote
+            tokens = request.all_token_ids
+            for pos in range((request.num_tokens - 1) // BLOCK * BLOCK):
+                runner.slots[runner.slot(request_id, pos)] = (pos, tuple(tokens[: pos + 1]))
+            result.finished_recving.add(request_id)
+        scheduler.update_from_output(output, result)
+    assert {r.request_id: r.output_token_ids for r in requests} == ample
+    assert scheduler.num_preemptions <= len(specs)
+    assert_pool_free(scheduler)
