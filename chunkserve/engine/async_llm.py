@@ -40,6 +40,7 @@ from chunkserve.engine.messages import (
     CallCore,
     CoreCallResult,
     EngineCoreOutputs,
+    EngineCoreRequest,
     EngineDied,
     Event,
     ExportRequest,
@@ -174,20 +175,29 @@ class AsyncLLM:
         """Queue a request; returns once the engine accepted it. Raises InvalidRequestError
         or ServerOverloadedError if it is refused. The prompt is tokenized off the event loop."""
         loop = asyncio.get_running_loop()
-        accepted, outputs = loop.create_future(), asyncio.Queue()
         core_id = f"{request_id}#{next(self._serial)}"
         request, text = await loop.run_in_executor(
             self._text_pool, functools.partial(self.input_processor.process, core_id, prompt, params, priority,
                                                cache_salt=cache_salt))
+        return await self._submit(request, request_id, AddRequest(request),
+                                  functools.partial(self.output_processor.add_request, request, text, request_id))
+
+    async def _submit(self, request: EngineCoreRequest, request_id: str, command: AddRequest | ImportRequest,
+                      track: Callable[[], None]) -> RequestStream:
+        """Register `request` under the caller's `request_id` (with `track`, the output processor's
+        side), send `command` and return its stream once the core accepted it."""
+        loop = asyncio.get_running_loop()
+        accepted, outputs = loop.create_future(), asyncio.Queue()
+        core_id = request.request_id
         final_only = request.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
         with self._lock:
             self._check_alive()
             if request_id in self._core_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            track()
             self._core_ids[request_id] = core_id
             self._accepting[core_id] = (loop, accepted, outputs, request_id, final_only)
-            self.output_processor.add_request(request, text, external_id=request_id)
-        self._core.send(AddRequest(request))
+        self._core.send(command)
         abort = functools.partial(self._abort_in_core, [core_id])
         try:
             await accepted
@@ -264,7 +274,6 @@ class AsyncLLM:
         exported with); its stream continues where the exporter's stopped. `output_kind`
         replaces the one it was exported with. Raises InvalidRequestError if the snapshot does
         not fit this engine (nothing is taken), ServerOverloadedError if there is no room now."""
-        loop = asyncio.get_running_loop()
         if output_kind is not None:
             snapshot = dataclasses.replace(
                 snapshot, sampling_params=dataclasses.replace(snapshot.sampling_params, output_kind=output_kind))
@@ -272,24 +281,9 @@ class AsyncLLM:
         external_id = request_id or request.request_id
         core_id = f"{external_id}#{next(self._serial)}"
         request.request_id = core_id
-        accepted, outputs = loop.create_future(), asyncio.Queue()
-        final_only = request.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
-        with self._lock:
-            self._check_alive()
-            if external_id in self._core_ids:
-                raise InvalidRequestError(f"request id {external_id!r} is already in use")
-            self.output_processor.add_imported(request, snapshot.output_token_ids, snapshot.frontend_state,
-                                               external_id)
-            self._core_ids[external_id] = core_id
-            self._accepting[core_id] = (loop, accepted, outputs, external_id, final_only)
-        self._core.send(ImportRequest(snapshot, core_id))
-        abort = functools.partial(self._abort_in_core, [core_id])
-        try:
-            await accepted
-        except asyncio.CancelledError:
-            abort()
-            raise
-        return RequestStream(external_id, outputs, abort)
+        return await self._submit(request, external_id, ImportRequest(snapshot, core_id), functools.partial(
+            self.output_processor.add_imported, request, snapshot.output_token_ids, snapshot.frontend_state,
+            external_id))
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort at the next step boundary; the blocks are back in the pool before the next step."""
