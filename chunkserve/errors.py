@@ -29,6 +29,12 @@ class RequestAbortedError(RuntimeError):
     """The server aborted a request it had accepted (e.g. its client stopped reading its stream)."""
 
 
+class KVTransferError(RuntimeError):
+    """A disaggregated request's KV could not move between its prefill and decode instances
+    (a timeout, a corrupted block, an instance gone): the request was aborted and may be
+    retried (HTTP 503 with Retry-After; a stream ends with finish_reason "abort")."""
+
+
 class ServerOverloadedError(RuntimeError):
     """Too many requests are waiting; the client should retry later (HTTP 503)."""
 

@@ -23,6 +23,8 @@ DTYPES = ("float32", "bfloat16")
 OP_BACKENDS = ("auto", "cpp", "torch")
 HICACHE_STORAGE_BACKENDS = ("file",)
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+DISAGGREGATION_TRANSFER_BACKENDS = ("zmq",)
 
 
 def arg(default: Any, help: str, **extra: Any) -> Any:
@@ -110,6 +112,43 @@ class EngineArgs:
         "write_through", "when a block goes to disk: write_through = once its KV is computed; write_back = "
         "when the pool evicts it (and, at shutdown, every block the pool caches)", choices=HICACHE_WRITE_POLICIES
     )
+    disaggregation_mode: str = arg(
+        "null", "prefill/decode disaggregation (SGLang's flag): prefill = compute prompts and push their KV to a "
+        "decode instance chunk by chunk; decode = receive the KV and decode; null = both here (monolithic). Both "
+        "roles take requests from `chunkserve router --pd-disaggregation`", choices=DISAGGREGATION_MODES
+    )
+    disaggregation_transfer_backend: str = arg(
+        "zmq", "how KV travels between the instances: zmq = pyzmq over TCP", choices=DISAGGREGATION_TRANSFER_BACKENDS
+    )
+    disaggregation_bootstrap_port: int = arg(
+        8998, "a prefill instance's TCP port for decode instances' bootstrap and its KV transfers"
+    )
+    disaggregation_bootstrap_host: str = arg(
+        "127.0.0.1", "the address a prefill instance's bootstrap port listens on (chunkserve serve sets it to "
+        "--host)"
+    )
+    disaggregation_bootstrap_timeout: float = arg(
+        300.0, "prefill: seconds a request waits for its decode instance to bootstrap (its blocks held) before it "
+        "is failed and its blocks freed"
+    )
+    disaggregation_waiting_timeout: float = arg(
+        300.0, "decode: seconds a request may wait for its KV (bootstrapping, pre-allocated or transferring) "
+        "before it is aborted and its blocks freed"
+    )
+    disaggregation_heartbeat_interval: float = arg(
+        1.0, "seconds between heartbeats on a decode instance's connection to each prefill instance"
+    )
+    disaggregation_heartbeat_max_failures: int = arg(
+        3, "missed heartbeats after which a decode instance takes a prefill instance for dead and aborts the "
+        "requests whose KV it was sending"
+    )
+    disaggregation_kv_lease_timeout: float = arg(
+        30.0, "prefill: seconds a request's blocks stay held for a decode instance that stopped renewing its lease"
+    )
+    disaggregation_transfer_window: int = arg(
+        64, "most KV blocks of one request in flight between the instances (credits the decode side grants as "
+        "it copies blocks into its pool), so a long prompt's KV cannot pile up in socket buffers"
+    )
     op_backend: str = arg(
         "auto", "cpp = C++ ops (built on first use): decode attention reading the paged KV in place, the "
         "linear layers of small batches, fused norm/rotary/SiLU; torch = plain torch (the reference); auto = "
@@ -146,6 +185,23 @@ class EngineArgs:
         if self.enable_hierarchical_cache and not self.enable_prefix_caching:
             fail("enable_hierarchical_cache needs enable_prefix_caching: the disk tier finds blocks by their "
                  "prefix-cache hash")
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            fail(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
+        if self.disaggregation_transfer_backend not in DISAGGREGATION_TRANSFER_BACKENDS:
+            fail(f"disaggregation_transfer_backend must be one of {DISAGGREGATION_TRANSFER_BACKENDS}, "
+                 f"got {self.disaggregation_transfer_backend!r}")
+        if self.disaggregation_mode != "null" and self.enable_hierarchical_cache:
+            fail("disaggregation_mode and enable_hierarchical_cache cannot be combined yet (one KV connector per "
+                 "engine)")
+        if not 0 <= self.disaggregation_bootstrap_port <= 65535:
+            fail(f"disaggregation_bootstrap_port must be in [0, 65535], got {self.disaggregation_bootstrap_port}")
+        for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout",
+                     "disaggregation_heartbeat_interval", "disaggregation_kv_lease_timeout"):
+            if not getattr(self, name) > 0:
+                fail(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("disaggregation_heartbeat_max_failures", "disaggregation_transfer_window"):
+            if getattr(self, name) < 1:
+                fail(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.block_size < 1:
             fail(f"block_size must be positive, got {self.block_size}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:

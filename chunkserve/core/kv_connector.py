@@ -22,13 +22,19 @@ Scheduler side (in the engine core, no tensors):
     request is unfinished (saves not yet made); `begin_shutdown()`: queue what must be
     persisted before the engine stops (the engine then steps until no work is pending);
   - `reset_cache()`: forget what the connector caches (with the pool's prefix cache);
-  - `get_kv_connector_stats()`: its counters for SchedulerStats (None: none).
+  - `get_kv_connector_stats()`: its counters for SchedulerStats (None: none);
+  - `take_failed_requests()`: requests whose transfer failed (id -> why), which the scheduler
+    then finishes as aborted with that error (a disaggregated instance: never a hang);
+  - `take_first_token(request_id)`: for a request whose load finished, the token another
+    instance sampled after its prompt (disaggregated decode), which it continues from.
 
 Worker side (around the forward pass, with the KV tensors):
   - `bind_connector_metadata(metadata)`, `start_load_kv()` before the forward,
     `wait_for_layer_load(layer)` before a layer's attention reads the cache,
     `save_kv_layer(layer, k_cache, v_cache, attn_metadata)` after a layer wrote its KV,
-    `wait_for_save()` after the forward, and `get_finished(finished_request_ids)` ->
+    `wait_for_save()` after the forward, `on_step_output(output, generator_state)` after the
+    sampling (every step, empty ones too: what was sampled, and each request's generator state
+    on demand), and `get_finished(finished_request_ids)` ->
     (finished sending, finished receiving), reported back in the runner's output;
   - `register_kv_caches(kv_pool)`: the pool tensor, once it is allocated;
   - `get_block_ids_with_load_errors()`: blocks whose load failed (ModelRunnerOutput's
@@ -42,9 +48,11 @@ without KV transfer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from chunkserve.core.request import Request
+from chunkserve.core.sched.output import TokenLogprobs
 
 
 class KVConnectorScheduler:
@@ -80,6 +88,12 @@ class KVConnectorScheduler:
     def get_kv_connector_stats(self) -> Any:
         return None
 
+    def take_failed_requests(self) -> dict[str, str]:
+        return {}
+
+    def take_first_token(self, request_id: str) -> Any:
+        return None
+
 
 class KVConnectorWorker:
     """The worker's side of a connector; every verb defaults to moving nothing."""
@@ -97,6 +111,10 @@ class KVConnectorWorker:
         return None
 
     def wait_for_save(self) -> None:
+        return None
+
+    def on_step_output(self, sampled_token_ids: dict[str, list[int]], logprobs: dict[str, list[TokenLogprobs]],
+                       generator_state: Callable[[str], bytes | None]) -> None:
         return None
 
     def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from chunkserve.core.disagg.protocol import TransferParams
 from chunkserve.sampling_params import SamplingParams
 
 
@@ -66,6 +67,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     first_scheduled_time: float | None = None  # wall clock of the step that first scheduled it
     generator_state: bytes | None = None  # an imported seeded request's generator, for the worker
+    kv_transfer_params: TransferParams | None = None  # disaggregated: the room its KV goes to or comes from
 
     def __post_init__(self) -> None:
         if self.sampling_params.max_tokens is None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import ModelSource, resolve_model
+from chunkserve.core.disagg.protocol import TransferParams
 from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.sched.output import SchedulerStats
 from chunkserve.engine.core import MAX_STEP_RECORDS
@@ -133,7 +134,8 @@ class AsyncLLM:
         self.info = self._core.info
         self.tokenizer: Any = get_tokenizer()
         self.input_processor = InputProcessor(self.tokenizer, source, self.info,
-                                              args.request_limits(self.info.max_model_len))
+                                              args.request_limits(self.info.max_model_len),
+                                              args.disaggregation_mode)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Tokenizing and chat templates run here, never on the event loop (a long prompt would stall
         # every stream) nor in the engine core; the tokenizer's encode releases the GIL.
@@ -171,14 +173,16 @@ class AsyncLLM:
     # ----- the caller's side (event loop) --------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+                          priority: int = 0, cache_salt: str | None = None,
+                          kv_transfer_params: TransferParams | None = None) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises InvalidRequestError
-        or ServerOverloadedError if it is refused. The prompt is tokenized off the event loop."""
+        or ServerOverloadedError if it is refused. The prompt is tokenized off the event loop.
+        `kv_transfer_params`: a disaggregated instance's pairing (from the router)."""
         loop = asyncio.get_running_loop()
         core_id = f"{request_id}#{next(self._serial)}"
         request, text = await loop.run_in_executor(
             self._text_pool, functools.partial(self.input_processor.process, core_id, prompt, params, priority,
-                                               cache_salt=cache_salt))
+                                               cache_salt=cache_salt, kv_transfer_params=kv_transfer_params))
         return await self._submit(request, request_id, AddRequest(request),
                                   functools.partial(self.output_processor.add_request, request, text, request_id))
 
@@ -380,7 +384,7 @@ class AsyncLLM:
         with self._lock:
             processed = self.output_processor.process_outputs(update.outputs, update.timestamp)
             self._abort_in_core(processed.requests_to_abort)  # stop strings: the core forgets them
-            failures = {core_id: RuntimeError(message) for core_id, message in processed.failed.items()}
+            failures = processed.failed
             for core_id, item in [*processed.outputs.items(), *failures.items()]:
                 stream = self._streams.get(core_id)
                 if stream is None:

@@ -16,6 +16,8 @@ from collections import deque
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.scheduler import SchedulerConfig
+from chunkserve.core.disagg.decode import DecodeConnectorScheduler
+from chunkserve.core.disagg.prefill import PrefillConnectorScheduler
 from chunkserve.core.kv.disk_tier import DiskTierScheduler
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv.snapshot import RequestSnapshot, SnapshotBlock
@@ -58,8 +60,8 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.predictor = StepTimePredictor()
         self._fingerprint: ModelFingerprint | None = None
-        if kv_connector is None and config.enable_hierarchical_cache:
-            kv_connector = DiskTierScheduler.from_args(config, self.fingerprint)
+        if kv_connector is None:
+            kv_connector = self._default_connector(config)
         self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector)
         self.triage = StepFailureTriage()
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
@@ -68,6 +70,17 @@ class EngineCore:
             self._profile_step_time()
         logger.info("engine core ready: %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_config.architecture, num_blocks, config.block_size, self.max_model_len)
+
+    def _default_connector(self, config: EngineArgs) -> KVConnectorScheduler | None:
+        """The scheduler's side of the connector the flags ask for (the workers build its other side)."""
+        if config.enable_hierarchical_cache:
+            return DiskTierScheduler.from_args(config, self.fingerprint)
+        if config.disaggregation_mode == "prefill":
+            return PrefillConnectorScheduler(config.block_size, config.disaggregation_bootstrap_timeout,
+                                             config.disaggregation_kv_lease_timeout)
+        if config.disaggregation_mode == "decode":
+            return DecodeConnectorScheduler(config.block_size, config.disaggregation_waiting_timeout)
+        return None
 
     def info(self, model_name: str) -> EngineInfo:
         return EngineInfo(model_name, self.max_model_len, self.model_config.vocab_size)
@@ -85,6 +98,7 @@ class EngineCore:
             priority=request.priority,
             arrival_time=request.arrival_time,
             cache_salt=request.cache_salt,
+            kv_transfer_params=request.kv_transfer_params,
         ))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:

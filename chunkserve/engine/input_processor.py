@@ -13,30 +13,46 @@ from typing import Any
 
 from chunkserve.config.limits import RequestLimits
 from chunkserve.config.model import ModelSource
+from chunkserve.core.disagg.protocol import TransferParams
 from chunkserve.engine.messages import EngineCoreRequest, EngineInfo
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, source: ModelSource, info: EngineInfo, limits: RequestLimits) -> None:
+    def __init__(self, tokenizer: Any, source: ModelSource, info: EngineInfo, limits: RequestLimits,
+                 disaggregation_mode: str = "null") -> None:
         self.tokenizer = tokenizer
+        self.disaggregation_mode = disaggregation_mode
         self.info = info
         self.limits = limits
         self.eos_token_id, self.extra_stop_ids = eos_ids(tokenizer, source)
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                 priority: int = 0, arrival_time: float | None = None,
-                cache_salt: str | None = None) -> tuple[EngineCoreRequest, str | None]:
+                cache_salt: str | None = None,
+                kv_transfer_params: TransferParams | None = None) -> tuple[EngineCoreRequest, str | None]:
         """The request for the core and the prompt's text (None for a token-id prompt).
         Raises InvalidRequestError naming what is wrong. `cache_salt`: only requests with the
-        same salt share prefix-cache blocks."""
+        same salt share prefix-cache blocks. `kv_transfer_params`: the router's pairing, which a
+        disaggregated instance needs (a monolithic one ignores it); a prefill instance computes
+        the prompt and samples only the first token, checked against the client's max_tokens
+        all the same, so that it refuses what its decode instance refuses."""
+        if self.disaggregation_mode == "null":
+            kv_transfer_params = None
+        elif kv_transfer_params is None:
+            raise InvalidRequestError(
+                f"this is the {self.disaggregation_mode} instance of a prefill/decode disaggregated deployment: send "
+                "requests to its router (chunkserve router --pd-disaggregation), which pairs them with "
+                "bootstrap_room, bootstrap_host and bootstrap_port", "bootstrap_room")
         params = params or SamplingParams()
         self._check_sizes(params)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         text, token_ids = self._tokenize(prompt)
         params = self._resolve_params(params, len(token_ids))
+        if self.disaggregation_mode == "prefill":
+            params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -45,6 +61,7 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=priority,
             cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
         )
         return request, text
 

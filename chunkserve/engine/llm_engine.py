@@ -28,7 +28,8 @@ class LLMEngine:
         self.info = self.engine_core.info(source.name)
         self.tokenizer: Any = load_tokenizer(source)
         self.input_processor = InputProcessor(self.tokenizer, source, self.info,
-                                              args.request_limits(self.info.max_model_len))
+                                              args.request_limits(self.info.max_model_len),
+                                              args.disaggregation_mode)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step_record: StepRecord | None = None  # of the last step(); None if it ran nothing
         self._shut_down = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from chunkserve.core.disagg.protocol import TransferParams
 from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.sched.output import EngineCoreOutput, SchedulerStats
 from chunkserve.engine.outputs import StepRecord
@@ -31,6 +32,7 @@ class EngineCoreRequest:
     arrival_time: float  # wall clock
     priority: int = 0
     cache_salt: str | None = None  # namespaces the request's prefix-cache hashes
+    kv_transfer_params: TransferParams | None = None  # disaggregated: its room and prefill instance
 
 
 def imported_core_request(snapshot: RequestSnapshot, request_id: str | None = None) -> EngineCoreRequest:

@@ -24,7 +24,7 @@ from chunkserve.core.sched.output import EngineCoreOutput, TokenLogprobs
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.engine.messages import EngineCoreRequest
 from chunkserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from chunkserve.errors import InvalidRequestError
+from chunkserve.errors import InvalidRequestError, KVTransferError
 from chunkserve.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class RequestState:
 class ProcessedOutputs:
     outputs: dict[str, RequestOutput] = field(default_factory=dict)  # by core id, in the step's order
     requests_to_abort: list[str] = field(default_factory=list)  # core ids finished here (stop strings, failures)
-    failed: dict[str, str] = field(default_factory=dict)  # core id -> why its output could not be made
+    failed: dict[str, Exception] = field(default_factory=dict)  # core id -> why its output could not be made
 
     @property
     def request_outputs(self) -> list[RequestOutput]:
@@ -127,9 +127,13 @@ class OutputProcessor:
             state = self._states.get(output.request_id)
             if state is None:  # finished here already (a stop string), or never ours
                 continue
+            if output.error is not None and output.kv_transfer_failed and state.output_kind == RequestOutputKind.DELTA:
+                # a stream that already began ends the way an abort ends it (its reason is in the server's log)
+                output = output._replace(error=None)
             if output.error is not None:  # the engine failed it
                 del self._states[output.request_id]
-                processed.failed[output.request_id] = output.error
+                kind = KVTransferError if output.kv_transfer_failed else RuntimeError
+                processed.failed[output.request_id] = kind(output.error)
                 continue
             try:
                 processed.outputs[output.request_id] = self._process(output.request_id, state, output, timestamp,
@@ -139,7 +143,8 @@ class OutputProcessor:
                 del self._states[output.request_id]
                 if output.finish_reason is None:
                     processed.requests_to_abort.append(output.request_id)
-                processed.failed[output.request_id] = f"processing its output failed ({error!r}); the request was aborted"
+                processed.failed[output.request_id] = RuntimeError(
+                    f"processing its output failed ({error!r}); the request was aborted")
         return processed
 
     def _process(self, core_id: str, state: RequestState, output: EngineCoreOutput, timestamp: float,

@@ -68,6 +68,7 @@ class ModelRunner:
         if not output.is_empty:
             self._forward_and_sample(output, result)
             connector.wait_for_save()
+        connector.on_step_output(result.sampled_token_ids, result.logprobs, self.generator_state)
         result.finished_sending, result.finished_recving = connector.get_finished(output.finished_request_ids)
         result.invalid_block_ids = connector.get_block_ids_with_load_errors()
         result.kv_connector_output = connector.take_connector_output()

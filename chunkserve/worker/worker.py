@@ -20,6 +20,8 @@ from chunkserve.model.fingerprint import model_fingerprint
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import TORCH_DTYPES, load_model, load_model_config
 from chunkserve.sampling_params import SamplingParams
+from chunkserve.worker.disagg.decode import DecodeConnectorWorker
+from chunkserve.worker.disagg.prefill import PrefillConnectorWorker
 from chunkserve.worker.disk_tier import DiskTierWorker
 from chunkserve.worker.kv_cache import num_blocks_for_memory
 from chunkserve.worker.model_runner import ModelRunner
@@ -52,10 +54,21 @@ class Worker:
         assert self.model is not None, "load_model first"
         config = self.config
         self.num_blocks = num_blocks
-        if self.kv_connector is None and config.enable_hierarchical_cache:
-            self.kv_connector = DiskTierWorker.from_args(config, self.kv_fingerprint())
+        if self.kv_connector is None:
+            self.kv_connector = self._default_connector()
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size, config.seed,
                                   config.op_backend, self.kv_connector)
+
+    def _default_connector(self) -> KVConnectorWorker | None:
+        """The worker's side of the connector the flags ask for (the engine core builds its other side)."""
+        config = self.config
+        if config.enable_hierarchical_cache:
+            return DiskTierWorker.from_args(config, self.kv_fingerprint())
+        if config.disaggregation_mode == "prefill":
+            return PrefillConnectorWorker.from_args(config, self.kv_fingerprint())
+        if config.disaggregation_mode == "decode":
+            return DecodeConnectorWorker.from_args(config, self.kv_fingerprint())
+        return None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)

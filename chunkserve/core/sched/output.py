@@ -137,6 +137,7 @@ class EngineCoreOutput(NamedTuple):
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # wall clock of the step that first scheduled it
     error: str | None = None  # set when the engine failed the request (finish_reason "abort"): why
+    kv_transfer_failed: bool = False  # the error is a failed KV transfer (disaggregation): retryable, HTTP 503
 
     @property
     def finished(self) -> bool:
@@ -164,6 +165,26 @@ class KVTierStats:
     stored_bytes: int = 0
 
 
+RECENT_LATENCIES = 256
+
+
+@dataclass(frozen=True)
+class KVTransferStats:
+    """A disaggregated instance's transfers (/metrics' `chunkserve:kv_transfer_*`): requests by
+    state now, totals, and the latencies of the most recent transfers (the last of them belongs
+    to transfer number `transfers_total`: an observer turns the ones it has not seen into a
+    histogram)."""
+
+    role: str  # "prefill" | "decode"
+    num_bootstrapping: int = 0  # waiting for the other side's bootstrap (prefill) or for blocks (decode)
+    num_preallocated: int = 0  # blocks held, no KV moved yet
+    num_transferring: int = 0  # KV moving
+    bytes_total: int = 0  # sent (prefill) or copied into the pool (decode)
+    transfers_total: int = 0
+    failed_total: int = 0
+    recent_latencies: tuple[float, ...] = ()  # seconds, oldest first
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     """The scheduler's queues and KV pool at one moment (what /metrics shows as gauges)."""
@@ -177,6 +198,7 @@ class SchedulerStats:
     prefix_cache_queries_total: int  # prompt tokens of admitted requests (first admissions, not recomputes)
     prefix_cache_hits_total: int  # of those, found there
     kv_tier: KVTierStats | None = None  # the KV connector's tier (disk tier), when it has one
+    kv_transfer: KVTransferStats | None = None  # prefill/decode disaggregation's transfers, when disaggregated
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -44,6 +44,8 @@ from chunkserve.core.sched.admission import Admission, AdmissionPolicy
 from chunkserve.core.sched.chunking import Chunk, ChunkPolicy
 from chunkserve.core.sched.output import (
     EngineCoreOutput,
+    KVTierStats,
+    KVTransferStats,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -173,7 +175,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions,
             prefix_cache_queries_total=self.prefix_cache_queries,
             prefix_cache_hits_total=self.prefix_cache_hits,
-            kv_tier=self.connector.get_kv_connector_stats(),
+            **_connector_stats(self.connector.get_kv_connector_stats()),
         )
 
     def check(self) -> list[str]:
@@ -247,8 +249,7 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance the counters by what was computed and verified, append accepted tokens,
         apply the token-level stops. Returns what is new for every request that got tokens."""
-        self._connector_progress(runner_output)
-        outputs = []
+        outputs = self._connector_progress(runner_output)
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.is_finished:
@@ -367,8 +368,11 @@ class Scheduler:
         self._remote_kv_tokens[request.request_id] = num_tokens
         return Admission.SKIPPED
 
-    def _connector_progress(self, runner_output: ModelRunnerOutput) -> None:
+    def _connector_progress(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply what the KV connector reported: loads finished (a disaggregated decode's first
+        token with them), blocks sent, transfers failed. Returns the outputs this makes."""
         self.connector.update_connector_output(runner_output.kv_connector_output)
+        outputs = []
         invalid = runner_output.invalid_block_ids
         for request_id in runner_output.finished_recving:
             request = self.requests.get(request_id)
@@ -380,18 +384,34 @@ class Scheduler:
                 first_bad = next((i for i, block_id in enumerate(table) if block_id in invalid), None)
                 if first_bad is not None:
                     num_tokens = min(num_tokens, first_bad * self.config.block_size)
+            first = self.connector.take_first_token(request_id)
+            if first is not None:  # sampled by the prefill instance: this request continues as a decode
+                request.output_token_ids.append(first.token_id)
+                request.generator_state = first.generator_state
+                request.num_cached_tokens = first.num_cached_tokens
             request.num_computed_tokens = min(num_tokens, request.num_tokens - 1)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = request.num_computed_tokens
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
             self.waiting.remove(request)
-            self._start_running(request)
+            status = None if first is None else check_stop(request, self.config.max_model_len)
+            if status is not None:  # the first token ends it (EOS, max_tokens=1): no decode step
+                self._finish(request, status)
+            else:
+                self._start_running(request)
+            if first is not None:
+                outputs.append(self.output_of(request, [first.token_id],
+                                              None if first.logprobs is None else [first.logprobs]))
         for request_id in runner_output.finished_sending:
             held = self._sending.get(request_id)
             if held:
                 self.kv.free_blocks(held.popleft())
                 if not held:
                     del self._sending[request_id]
+        for request_id, reason in self.connector.take_failed_requests().items():
+            for request in self.finish_requests([request_id], RequestStatus.FINISHED_ABORTED):
+                outputs.append(self.output_of(request, [])._replace(error=reason, kv_transfer_failed=True))
+        return outputs
 
     # ----- helpers --------------------------------------------------------------------
 
@@ -479,3 +499,9 @@ class Scheduler:
             output_token_ids=list(request.output_token_ids),
             generator_state=request.generator_state,
         )
+
+
+def _connector_stats(stats: KVTierStats | KVTransferStats | None) -> dict:
+    if isinstance(stats, KVTransferStats):
+        return {"kv_transfer": stats}
+    return {"kv_tier": stats}

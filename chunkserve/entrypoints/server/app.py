@@ -12,6 +12,7 @@ meanwhile.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -49,6 +50,7 @@ from chunkserve.entrypoints.server.trace import StepTraceWriter
 from chunkserve.errors import (
     EngineDeadError,
     InvalidRequestError,
+    KVTransferError,
     ServerOverloadedError,
 )
 from chunkserve.version import VERSION
@@ -61,7 +63,8 @@ RESTART_RETRY_AFTER_S = "10"  # what a client is told to wait while a new engine
 ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/debug/steps", "/debug/check", "/export_request", "/import_request"})
 
 
-def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: ServerArgs) -> FastAPI:
+def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: ServerArgs,
+              engine_args: EngineArgs) -> FastAPI:
     serving = Serving(engine, model_name, args.max_prompts_per_request)
 
     @asynccontextmanager
@@ -101,6 +104,16 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
     @app.get("/version")
     async def version():
         return {"version": VERSION}
+
+    @app.get("/server_info")
+    async def server_info():
+        """What a router needs to know of this instance (open, like /health)."""
+        disaggregated = engine_args.disaggregation_mode != "null"
+        return {"model": model_name, "version": VERSION, "max_model_len": engine.info.max_model_len,
+                "disaggregation_mode": engine_args.disaggregation_mode,
+                "disaggregation_transfer_backend": engine_args.disaggregation_transfer_backend if disaggregated else None,
+                "disaggregation_bootstrap_port":
+                    engine_args.disaggregation_bootstrap_port if engine_args.disaggregation_mode == "prefill" else None}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -169,6 +182,10 @@ def _add_error_handlers(app: FastAPI, retry_after_dead: str | None) -> None:
     async def overloaded(_: Request, error: ServerOverloadedError):
         return _error(503, str(error), "server_overloaded", headers={"Retry-After": "1"})
 
+    @app.exception_handler(KVTransferError)
+    async def kv_transfer_failed(_: Request, error: KVTransferError):
+        return _error(503, str(error), "service_unavailable", headers={"Retry-After": "1"})
+
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, error: EngineDeadError):
         headers = {"Retry-After": retry_after_dead} if retry_after_dead else None
@@ -220,6 +237,8 @@ class _GracefulServer(uvicorn.Server):
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
+    if engine_args.disaggregation_mode == "prefill":  # the bootstrap port listens where the server does
+        engine_args = dataclasses.replace(engine_args, disaggregation_bootstrap_host=server_args.host)
     multiprocess = not server_args.disable_frontend_multiprocessing
     engine = AsyncLLM.from_engine_args(engine_args, max_waiting_requests=server_args.max_waiting_requests,
                                        multiprocess=multiprocess, max_unread_outputs=server_args.max_unread_outputs)
@@ -229,7 +248,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     trace = StepTraceWriter(server_args.trace_steps) if server_args.trace_steps else None
     if trace is not None:
         engine.observers.append(trace.observe)
-    app = build_app(engine, metrics, model_name, server_args)
+    app = build_app(engine, metrics, model_name, server_args, engine_args)
     config = uvicorn.Config(
         app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
         timeout_graceful_shutdown=server_args.shutdown_timeout + SHUTDOWN_BACKSTOP_S,

@@ -97,6 +97,25 @@ class EngineMetrics:
             "hicache_corrupt_blocks", "Disk KV tier block files found corrupt or not this model's (removed, "
             "their tokens recomputed)").labels(**labels)
         self.hicache_stored_bytes = gauge("hicache_stored_bytes", "Bytes of block files the disk KV tier holds")
+        # prefill/decode disaggregation (a prefill instance counts what it sent, a decode one what it received)
+        self.kv_transfer_latency = histogram(
+            "kv_transfer_latency_seconds", "Seconds from a request's bootstrap to its last KV block (decode side), or "
+            "from its first block sent to its final message (prefill side)",
+            (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
+        self.kv_transfer_bytes = counter(
+            "kv_transfer_bytes", "KV bytes sent to decode instances (prefill) or copied into the pool from prefill "
+            "instances (decode)").labels(**labels)
+        self.kv_transfer_requests = counter("kv_transfer_requests", "Requests whose KV transfer finished").labels(
+            **labels)
+        self.kv_transfer_failed = counter(
+            "kv_transfer_failed", "Requests whose KV transfer failed (aborted: timeout, corrupted block, bootstrap "
+            "refused, the other instance gone)").labels(**labels)
+        self.kv_transfer_bootstrapping = gauge(
+            "kv_transfer_requests_bootstrapping", "Requests whose other side has not bootstrapped yet (prefill), or "
+            "waiting for their blocks to be pre-allocated (decode)")
+        self.kv_transfer_preallocated = gauge(
+            "kv_transfer_requests_preallocated", "Decode: requests with pre-allocated blocks and no KV yet")
+        self.kv_transfer_transferring = gauge("kv_transfer_requests_transferring", "Requests whose KV is moving")
         self._totals_seen: dict[Counter, int] = {}
 
     def observe(self, record: StepRecord | None, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
@@ -122,6 +141,20 @@ class EngineMetrics:
             self._count_up_to(self.hicache_store_seconds, tier.store_seconds_total)
             self._count_up_to(self.hicache_corrupt_blocks, tier.corrupt_blocks_total)
             self.hicache_stored_bytes.set(tier.stored_bytes)
+        transfer = stats.kv_transfer
+        if transfer is not None:
+            unseen = transfer.transfers_total - self._totals_seen.get(self.kv_transfer_requests, 0)
+            if unseen < 0:  # a new engine core's
+                unseen = transfer.transfers_total
+            for seconds in transfer.recent_latencies[len(transfer.recent_latencies) - min(unseen, len(
+                    transfer.recent_latencies)):]:
+                self.kv_transfer_latency.observe(seconds)
+            self._count_up_to(self.kv_transfer_bytes, transfer.bytes_total)
+            self._count_up_to(self.kv_transfer_requests, transfer.transfers_total)
+            self._count_up_to(self.kv_transfer_failed, transfer.failed_total)
+            self.kv_transfer_bootstrapping.set(transfer.num_bootstrapping)
+            self.kv_transfer_preallocated.set(transfer.num_preallocated)
+            self.kv_transfer_transferring.set(transfer.num_transferring)
 
     def observe_frontend(self, num_unread_aborts: int) -> None:
         """The frontend's own totals (read when /metrics is rendered)."""

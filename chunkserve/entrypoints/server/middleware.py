@@ -16,7 +16,7 @@ from typing import Any
 from chunkserve.entrypoints.server.protocol import error_body
 
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/server_info"})  # what a router or load balancer polls
 CLOSE_HEADER = (b"connection", b"close")
 
 
@@ -51,7 +51,7 @@ def route_path(scope: dict) -> str:
 
 
 class ApiKeyMiddleware:
-    """/health is open; `admin_paths` need the admin key (and answer 404 while there is none);
+    """/health and /server_info are open; `admin_paths` need the admin key (and answer 404 while there is none);
     every other path needs the API key when one is set.
 
     The API key does not open admin paths: it is handed to every client, while the admin

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from chunkserve.core.disagg.protocol import MAX_ROOM, TransferParams
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import (
     LOGIT_BIAS_RANGE,
@@ -43,7 +44,24 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _OpenAISampling(_Body):
+class _Bootstrap(_Body):
+    """The router's pairing of a disaggregated request (SGLang's field names)."""
+
+    bootstrap_host: Annotated[str, Field(min_length=1, max_length=255)] | None = None
+    bootstrap_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    bootstrap_room: Annotated[int, Field(ge=0, le=MAX_ROOM)] | None = None
+
+    def transfer_params(self) -> TransferParams | None:
+        given = [self.bootstrap_host, self.bootstrap_port, self.bootstrap_room]
+        if all(value is None for value in given):
+            return None
+        if any(value is None for value in given):
+            raise InvalidRequestError("bootstrap_host, bootstrap_port and bootstrap_room go together",
+                                      "bootstrap_room")
+        return TransferParams(self.bootstrap_room, self.bootstrap_host, self.bootstrap_port)
+
+
+class _OpenAISampling(_Bootstrap):
     """The sampling fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -164,7 +182,7 @@ class GenerateSamplingParams(_Body):
         )
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(_Bootstrap):
     """SGLang's native /generate body (one prompt per request)."""
 
     text: str | None = None

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from chunkserve.core.disagg.protocol import TransferParams
 from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.sched.output import TokenLogprobs
 from chunkserve.engine.async_llm import AsyncLLM, RequestStream
@@ -76,7 +77,8 @@ class Serving:
             raise InvalidRequestError("echo together with logprobs is not supported", "echo")
         params = body.sampling_params(body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._add_all(request_id, prompts, params, body.priority, body.cache_salt)
+        streams = await self._add_all(request_id, prompts, params, body.priority, body.cache_salt,
+                                      kv_transfer_params=body.transfer_params())
         head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         echoes = [self._prompt_text(p) if body.echo else "" for p in prompts]
 
@@ -121,7 +123,7 @@ class Serving:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         streams = await self._add_all(request_id, [prompt], params, body.priority, body.cache_salt,
-                                      {"max_tokens": given, "logprobs": "top_logprobs"})
+                                      {"max_tokens": given, "logprobs": "top_logprobs"}, body.transfer_params())
         created = int(time.time())
 
         def logprobs_of(records: list[TokenLogprobs] | None) -> Event | None:
@@ -168,7 +170,7 @@ class Serving:
         prompt = body.prompt()
         request_id = body.rid or f"gen-{uuid.uuid4().hex}"
         streams = await self._add_all(request_id, [prompt], body.sampling_params.to_sampling_params(body.stream), 0,
-                                      body.cache_salt, GENERATE_FIELDS)
+                                      body.cache_salt, GENERATE_FIELDS, body.transfer_params())
         return await self._generate_response(request_id, streams[0], body.stream, raw)
 
     async def _generate_response(self, request_id: str, stream: RequestStream, streamed: bool, raw: Request,
@@ -231,16 +233,20 @@ class Serving:
     # ----- helpers ----------------------------------------------------------------------------
 
     async def _add_all(self, request_id: str, prompts: list[str | TokenIds], params: SamplingParams,
-                       priority: int, cache_salt: str | None,
-                       field_names: dict[str, str] | None = None) -> list[RequestStream]:
+                       priority: int, cache_salt: str | None, field_names: dict[str, str] | None = None,
+                       kv_transfer_params: TransferParams | None = None) -> list[RequestStream]:
         """Add every prompt of a request, or none: a refused one aborts those already added.
-        `field_names`: the body's names of SamplingParams' fields, for a refusal's message."""
+        `field_names`: the body's names of SamplingParams' fields, for a refusal's message.
+        `kv_transfer_params`: the router's pairing (disaggregation), one room per prompt."""
+        if kv_transfer_params is not None and len(prompts) > 1:
+            raise InvalidRequestError("a disaggregated request takes one prompt (one bootstrap_room each)", "prompt")
         streams: list[RequestStream] = []
         try:
             for index, prompt in enumerate(prompts):
                 suffix = f"-{index}" if len(prompts) > 1 else ""
                 streams.append(await self.engine.add_request(request_id + suffix, prompt, params, priority,
-                                                             cache_salt=cache_salt))
+                                                             cache_salt=cache_salt,
+                                                             kv_transfer_params=kv_transfer_params))
         except InvalidRequestError as error:
             for stream in streams:
                 stream.abort()
