@@ -23,6 +23,8 @@ Scheduler side (in the engine core, no tensors):
     persisted before the engine stops (the engine then steps until no work is pending);
   - `reset_cache()`: forget what the connector caches (with the pool's prefix cache);
   - `get_kv_connector_stats()`: its counters for SchedulerStats (None: none);
+  - `step_failed(metadata)`: the step built with `metadata` was void (its forward raised): what
+    it asked the worker to send was not sent;
   - `take_failed_requests()`: requests whose transfer failed (id -> why), which the scheduler
     then finishes as aborted with that error (a disaggregated instance: never a hang);
   - `take_first_token(request_id)`: for a request whose load finished, the token another
@@ -86,6 +88,9 @@ class KVConnectorScheduler:
         return None
 
     def get_kv_connector_stats(self) -> Any:
+        return None
+
+    def step_failed(self, metadata: Any) -> None:
         return None
 
     def take_failed_requests(self) -> dict[str, str]:

@@ -63,7 +63,7 @@ class DecodeConnectorScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Every prompt token past this pool's cached blocks comes from the prefill instance."""
         params = request.kv_transfer_params
-        if params is None:
+        if params is None or request.num_output_tokens:  # preempted after its KV came: it recomputes here
             return 0, False
         if request.request_id not in self._by_request:
             self._by_request[request.request_id] = params.room

@@ -76,6 +76,7 @@ class PrefillConnectorScheduler(KVConnectorScheduler):
         self._failed: dict[str, str] = {}
         self._fails: list[tuple[bytes, int, str]] = []
         self._released: set[str] = set()
+        self._unconfirmed: set[str] = set()  # final messages listed, not yet reported handed to the socket
         self._bytes = self._transfers = self._failures = 0
         self._latencies: deque[float] = deque(maxlen=RECENT_LATENCIES)
 
@@ -106,12 +107,17 @@ class PrefillConnectorScheduler(KVConnectorScheduler):
             computed_after[scheduled.request_id] = scheduled.num_computed_tokens + scheduled.num_scheduled_tokens
             if scheduled.sample:
                 meta.sampling[scheduled.request_id] = room_id
-        for room in self._rooms.values():
+        for room in list(self._rooms.values()):
             if room.peer is None or room.final_listed:
                 continue
             send = self._next_send(room, computed_after)
-            if send is not None:
-                meta.sends.append(send)
+            if send is None:
+                continue
+            meta.sends.append(send)
+            if send.final:
+                self._unconfirmed.add(send.request_id)
+                if room.held_blocks is not None:  # its request finished: the worker's finished_sending frees them
+                    self._forget(room, "the request's KV was sent")
         meta.fails, self._fails = self._fails, []
         meta.released, self._released = self._released, set()
         return meta
@@ -160,8 +166,26 @@ class PrefillConnectorScheduler(KVConnectorScheduler):
                 room.peer = None  # it is gone: nothing more is sent to it
                 self._fail(room, f"the decode instance gave the request up: {reason}")
         for request_id, _, seconds in output.sent:
+            self._unconfirmed.discard(request_id)
             self._transfers += 1
             self._latencies.append(seconds)
+
+    def has_pending_work(self) -> bool:
+        """Fails to tell, held blocks to let go, final messages not yet handed to the socket: the
+        engine steps (empty steps) until they are done, even with no request left."""
+        return bool(self._fails or self._released or self._unconfirmed)
+
+    def step_failed(self, metadata: PrefillMetadata | None) -> None:
+        """The step was void (its forward raised): the blocks it listed were never sent; they go
+        again (the rooms' positions and credits rewind)."""
+        for send in metadata.sends if metadata is not None else ():
+            room = self._rooms.get(send.room)
+            if room is None or room.peer != send.peer:
+                continue
+            room.next_block -= len(send.blocks)
+            room.credits += len(send.blocks)
+            room.final_listed = False
+            self._unconfirmed.discard(send.request_id)
 
     def take_failed_requests(self) -> dict[str, str]:
         failed, self._failed = self._failed, {}

@@ -245,6 +245,7 @@ class Scheduler:
         for scheduled in output.scheduled:
             self._blocks_sent.pop(scheduled.request_id, None)
         self._finished_since_last_step |= output.finished_request_ids
+        self.connector.step_failed(output.kv_connector_metadata)
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance the counters by what was computed and verified, append accepted tokens,

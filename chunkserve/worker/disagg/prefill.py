@@ -63,7 +63,7 @@ class PrefillConnectorWorker(KVConnectorWorker):
         self._sampled: dict[int, tuple[int, TokenLogprobs | None, bytes | None]] = {}  # room -> first token
         self._crcs: dict[int, list[int]] = {}  # room -> crc32 of every block sent so far
         self._started: dict[int, float] = {}
-        self._outbox: deque[tuple[float, int, list]] = deque()  # (ready at, room, frames), in order
+        self._outbox: deque[tuple[float, int, list, tuple[str, float] | None]] = deque()  # in order
         self._finished_sending: set[str] = set()
         self._output = PrefillOutput()
         logger.info("disaggregation: prefill bootstrap on %s", self.endpoint)
@@ -144,25 +144,26 @@ class PrefillConnectorWorker(KVConnectorWorker):
         crcs = self._crcs.pop(send.room, [])
         started = self._started.pop(send.room, now)
         if sampled is None:  # the step that sampled it failed: the decode side is told, not left waiting
-            self._queue(send.room, [send.peer, header("fail", room=send.room, reason="the prefill step failed")])
+            self._queue(send.room, [send.peer, header("fail", room=send.room, reason="the prefill step failed")],
+                        sent=(send.request_id, started))
         else:
             token_id, token_logprobs, state = sampled
             first = FirstToken(token_id, token_logprobs, state, send.num_cached_tokens)
             self._queue(send.room, [send.peer, header(
                 "done", room=send.room, num_blocks=len(crcs), digest=block_digest(crcs), prompt_len=send.prompt_len,
-                first_token=first.to_wire())])
-        self._finished_sending.add(send.request_id)
-        self._output.sent.append((send.request_id, 0, now - started))
+                first_token=first.to_wire())], sent=(send.request_id, started))
 
-    def _queue(self, room: int, frames: list, delay: bool = True) -> None:
+    def _queue(self, room: int, frames: list, delay: bool = True, sent: tuple[str, float] | None = None) -> None:
+        """`sent`: (request id, when its first block went) once this is the final message, reported
+        when it is handed to the socket."""
         ready = time.monotonic() + (self.faults.delay_s if delay else 0.0)
-        self._outbox.append((ready, room, frames))
+        self._outbox.append((ready, room, frames, sent))
 
     def _flush(self) -> None:
         """Hand ready messages to libzmq, in order; a decode instance that is gone ends its rooms."""
         now = time.monotonic()
         while self._outbox and self._outbox[0][0] <= now:
-            _, room, frames = self._outbox[0]
+            _, room, frames, sent = self._outbox[0]
             try:
                 self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -171,6 +172,10 @@ class PrefillConnectorWorker(KVConnectorWorker):
                 self._output.aborted.append((room, f"the decode instance is unreachable ({error})"))
                 self._forget(room)
             self._outbox.popleft()
+            if sent is not None:  # the blocks it held may go (a copy of each is in the socket)
+                request_id, started = sent
+                self._finished_sending.add(request_id)
+                self._output.sent.append((request_id, 0, now - started))
 
     def _forget(self, room: int) -> None:
         self._sampled.pop(room, None)
