@@ -9,6 +9,7 @@ import sys
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.entrypoints.args import ServerArgs, add_cli_args, from_cli_args
+from chunkserve.entrypoints.router.args import add_arguments as add_router_arguments
 from chunkserve.errors import InvalidRequestError, ModelLoadError
 
 BENCH_COMMANDS = {
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_cli_args(ServerArgs, serve)
     add_cli_args(EngineArgs, serve)
+    router = commands.add_parser("router", help="balance requests over prefill and decode servers (PD disaggregation)")
+    add_router_arguments(router)
     bench = commands.add_parser("bench", help="benchmark OpenAI-compatible servers, plot and sweep")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     for name, text in BENCH_COMMANDS.items():
@@ -68,6 +71,10 @@ def main(argv: list[str] | None = None) -> None:
             from chunkserve.entrypoints.server.app import run_server
 
             run_server(from_cli_args(EngineArgs, args), from_cli_args(ServerArgs, args))
+        elif args.command == "router":
+            from chunkserve.entrypoints.router.app import main as router_main
+
+            router_main(args)
         elif args.command == "bench":
             logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
             args.bench_main(args)
