@@ -238,8 +238,8 @@ class EngineCore:
             self.triage.on_success([s.request_id for s in scheduled.scheduled])
             self.triage.forget([o.request_id for o in outputs if o.finished])
             self._restrict_to_tested()
-        if scheduled.is_empty:  # (a disk tier's writes landing show in the stats, e.g. /metrics)
-            if runner_output.kv_connector_output is None:
+        if scheduled.is_empty:  # (a KV connector's progress shows in the stats, e.g. /metrics)
+            if runner_output.kv_connector_output is None and not outputs:  # (a transfer that timed out has one)
                 return None
             return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
         duration = time.perf_counter() - start

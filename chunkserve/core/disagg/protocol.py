@@ -138,7 +138,8 @@ class DecodeOutput:
     received: list[tuple[str, FirstToken, int, float]] = field(default_factory=list)  # (id, first, bytes, s)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
     progress: list[str] = field(default_factory=list)  # requests whose first bytes arrived
+    bootstrapped: list[str] = field(default_factory=list)  # requests whose prefill side was asked
     bytes_applied: int = 0
 
-    def __bool__(self) -> bool:
-        return bool(self.received or self.failed or self.progress or self.bytes_applied)
+    def __bool__(self) -> bool:  # (any of it changes the stats: the engine reports them)
+        return bool(self.received or self.failed or self.progress or self.bootstrapped or self.bytes_applied)

@@ -133,6 +133,7 @@ class DecodeConnectorWorker(KVConnectorWorker):
         peer = self._peer(endpoint, now)
         room = _Room(receive, endpoint, now)
         self._rooms[receive.params.room] = room
+        self._output.bootstrapped.append(receive.request_id)
         num_blocks = receive.first_block + len(receive.block_ids)
         self._send(peer.endpoint, header(
             "bootstrap", room=receive.params.room, fingerprint=self.fingerprint.to_dict(),

@@ -1,0 +1,526 @@
+"""Prefill/decode disaggregation end to end: real `chunkserve serve` processes in both roles and
+`chunkserve router --pd-disaggregation` on 127.0.0.1, the default SmolLM2 model, compared with a
+monolithic server of the same budget. What a user of a disaggregated deployment must be able to
+count on: the same tokens as one server, the first token deciding alone when it ends the
+request, every abort and failure ending the request (never a hang) and giving every block back
+on both sides, a prefill instance's death noticed within the heartbeat window."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from chunkserve.core.kv.snapshot import RequestSnapshot
+from tests.server_process import API_KEY, Server, free_port, start_server, stop_server, wait_until_up
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2-135M's KV of one 16-token block, float32
+HEARTBEAT = ("--disaggregation-heartbeat-interval", "0.5", "--disaggregation-heartbeat-max-failures", "3")
+VOCAB_LOW, VOCAB_HIGH = 100, 40000
+TIMEOUT_S = 30  # the bootstrap and waiting timeouts (long enough for a 2047-token prefill on a loaded host)
+
+
+@dataclass
+class Router:
+    process: subprocess.Popen
+    base_url: str
+
+    def post(self, path: str, body: dict, **kwargs) -> httpx.Response:
+        return httpx.post(self.base_url + path, json=body, headers=HEADERS, timeout=180, **kwargs)
+
+
+def start_router(prefill: Server, bootstrap_port: int, decode: Server, tmp_path_factory, name: str) -> Router:
+    port = free_port()
+    log = open(tmp_path_factory.mktemp(name) / "router.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "chunkserve.entrypoints.cli", "router", "--pd-disaggregation", "--prefill",
+         prefill.base_url, str(bootstrap_port), "--decode", decode.base_url, "--port", str(port),
+         "--health-check-interval", "0.5"], stdout=log, stderr=subprocess.STDOUT)
+    router = Router(process, f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(router.base_url + "/health", timeout=1).status_code == 200:
+                return router
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("the router did not see both instances healthy")
+
+
+def stop_router(router: Router) -> None:
+    router.process.terminate()
+    router.process.wait(timeout=30)
+
+
+@dataclass
+class Pair:
+    """A prefill and a decode instance, and the monolithic server of the same budget."""
+
+    prefill: Server
+    bootstrap_port: int
+    decode: Server
+    mono: Server
+    router: Router | None = None
+
+    def direct(self, path: str, body: dict, decode: Server | None = None,
+               prefill: tuple[Server, int] | None = None) -> tuple[httpx.Response, httpx.Response]:
+        """Pair a request by hand (as the router does): both halves at once; (prefill, decode) answers."""
+        prefill_server, port = prefill or (self.prefill, self.bootstrap_port)
+        paired = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": port,
+                  "bootstrap_room": random.getrandbits(63)}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, prefill_server.base_url + path, json=paired, headers=HEADERS, timeout=180)
+            second = pool.submit(httpx.post, (decode or self.decode).base_url + path, json=paired, headers=HEADERS,
+                                 timeout=180)
+            return first.result(), second.result()
+
+
+def start_prefill(tmp_path_factory, name: str, *flags: str, env: dict | None = None) -> tuple[Server, int]:
+    """A prefill instance (not yet up: `wait_until_up`) and its bootstrap port."""
+    port = free_port()
+    prefill = start_server(tmp_path_factory, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                           str(port), *flags, name=f"{name}-prefill", env=env, wait=False)
+    return prefill, port
+
+
+def idle(*servers: Server, timeout_s: float = 30.0) -> None:
+    """Every server back to no request, every block free or cached (its self-check)."""
+    deadline = time.monotonic() + timeout_s
+    for server in servers:
+        while True:
+            report = server.check()
+            if report["ok"]:
+                break
+            assert time.monotonic() < deadline, f"{server.base_url} never went idle: {report}"
+            time.sleep(0.1)
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)]
+
+
+def completion(response: httpx.Response) -> tuple[str, list[str], list[float], str]:
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    logprobs = choice["logprobs"]
+    return choice["text"], logprobs["tokens"], logprobs["token_logprobs"], choice["finish_reason"]
+
+
+def assert_same(mono: httpx.Response, pd: httpx.Response) -> None:
+    text, tokens, logprobs, reason = completion(mono)
+    pd_text, pd_tokens, pd_logprobs, pd_reason = completion(pd)
+    assert (pd_text, pd_tokens, pd_reason) == (text, tokens, reason)
+    assert max(abs(a - b) for a, b in zip(logprobs, pd_logprobs)) < 1e-5
+
+
+def decode_steps(server: Server) -> int:
+    with server.admin_client() as http:
+        return len(http.get("/debug/steps", params={"last": 100_000}).json()["steps"])
+
+
+def transfer_bytes(server: Server) -> float:
+    return server.metrics().get("chunkserve:kv_transfer_bytes_total{}", 0.0)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Budgets 64 and 256: a monolithic server and a prefill instance each, one decode instance and a
+    router per budget; started together (the model loads in parallel)."""
+    servers, routers = [], []
+    try:
+        decode = start_server(tmp_path_factory, "--disaggregation-mode", "decode", *HEARTBEAT,
+                              "--disaggregation-waiting-timeout", str(TIMEOUT_S), name="decode", wait=False)
+        servers.append(decode)
+        pairs = {}
+        for budget in (64, 256):
+            flags = ("--max-num-batched-tokens", str(budget))
+            mono = start_server(tmp_path_factory, *flags, name=f"mono{budget}", wait=False)
+            prefill, port = start_prefill(tmp_path_factory, f"p{budget}", *flags,
+                                          "--disaggregation-bootstrap-timeout", str(TIMEOUT_S))
+            servers += [mono, prefill]
+            pairs[budget] = Pair(prefill, port, decode, mono)
+        for server in servers:
+            wait_until_up(server)
+        for budget, pair in pairs.items():
+            pair.router = start_router(pair.prefill, pair.bootstrap_port, decode, tmp_path_factory, f"router{budget}")
+            routers.append(pair.router)
+        yield pairs
+    finally:
+        for router in routers:
+            stop_router(router)
+        for server in servers:
+            stop_server(server)
+
+
+LENGTHS = [1, 15, 16, 17, 255, 256, 257, 2047]
+
+
+@pytest.mark.parametrize("budget", [64, 256])
+def test_outputs_equal_the_monolithic_server(cluster, budget):
+    """Greedy and seeded sampling through router + prefill + decode give the monolithic server's
+    tokens, text and finish reason, logprobs within 1e-5, for prompts around block and budget edges."""
+    pair = cluster[budget]
+    for length in LENGTHS:
+        for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 1234 + length}):
+            body = {"prompt": prompt_of(length, length), "max_tokens": 8, "logprobs": 2, **sampling}
+            mono = httpx.post(pair.mono.base_url + "/v1/completions", json=body, headers=HEADERS, timeout=180)
+            assert_same(mono, pair.router.post("/v1/completions", body))
+    chat = {"messages": [{"role": "user", "content": "Name three rivers of Europe."}], "max_tokens": 24,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    mono = httpx.post(pair.mono.base_url + "/v1/chat/completions", json=chat, headers=HEADERS, timeout=180).json()
+    pd = pair.router.post("/v1/chat/completions", chat).json()
+    assert pd["choices"][0]["message"] == mono["choices"][0]["message"]
+    assert [t["token"] for t in pd["choices"][0]["logprobs"]["content"]] == [
+        t["token"] for t in mono["choices"][0]["logprobs"]["content"]]
+    generate = {"input_ids": prompt_of(40, 7), "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
+    mono = httpx.post(pair.mono.base_url + "/generate", json=generate, headers=HEADERS, timeout=180).json()
+    assert pair.router.post("/generate", generate).json()["output_ids"] == mono["output_ids"]
+    idle(pair.prefill, pair.decode)
+
+
+def test_a_streamed_answer_equals_the_monolithic_one(cluster):
+    pair = cluster[64]
+    body = {"prompt": prompt_of(100, 99), "max_tokens": 12, "temperature": 0, "stream": True}
+
+    def text_of(response: httpx.Response) -> tuple[str, str]:
+        events = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        return "".join(e["choices"][0]["text"] for e in events), events[-1]["choices"][0]["finish_reason"]
+
+    mono = httpx.post(pair.mono.base_url + "/v1/completions", json=body, headers=HEADERS, timeout=180)
+    assert text_of(pair.router.post("/v1/completions", body)) == text_of(mono)
+
+
+def test_prefix_cache_hits_on_either_side_give_the_same_tokens_and_send_only_the_delta(cluster):
+    """A hit on the decode side's prefix cache means only the blocks it lacks travel; a hit on the
+    prefill side is reported as the request's cached tokens; either way, the monolithic tokens."""
+    pair = cluster[64]
+    prompt = prompt_of(300, 300)  # 19 blocks; the decode side can cache 18 (never the last token's)
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    mono = httpx.post(pair.mono.base_url + "/v1/completions", json=body, headers=HEADERS, timeout=180)
+
+    def run(expect_blocks: int, expect_cached: int) -> None:
+        before = transfer_bytes(pair.decode)
+        answer = pair.router.post("/v1/completions", body)
+        assert_same(mono, answer)
+        assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == expect_cached
+        assert pair.decode.wait_until(lambda m: m["chunkserve:kv_transfer_bytes_total{}"] > before)[
+            "chunkserve:kv_transfer_bytes_total{}"] - before == expect_blocks * BLOCK_BYTES
+
+    def reset(server: Server) -> None:
+        with server.admin_client() as http:
+            assert http.post("/reset_prefix_cache").status_code == 200
+
+    reset(pair.prefill)
+    reset(pair.decode)
+    run(expect_blocks=19, expect_cached=0)  # neither side caches it
+    run(expect_blocks=1, expect_cached=288)  # both
+    reset(pair.prefill)
+    run(expect_blocks=1, expect_cached=0)  # the decode side only
+    reset(pair.decode)
+    run(expect_blocks=19, expect_cached=288)  # the prefill side only
+
+
+def test_the_decode_pool_holds_the_kv_the_monolithic_server_computes(cluster):
+    """KV bytes of the prompt's full blocks in the decode instance's pool (exported mid-decode) are
+    the monolithic server's, byte for byte: what the prefill side computed arrived unchanged."""
+    pair = cluster[64]
+
+    def exported_blocks(url: str, server: Server, rid: str) -> list[bytes]:
+        body = {"input_ids": prompt_of(200, 2000), "rid": rid, "stream": True,
+                "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}
+        with httpx.stream("POST", url + "/generate", json=body, headers=HEADERS, timeout=180) as response:
+            lines = response.iter_lines()  # kept: a closed iterator would close the stream (an abort)
+            for line in lines:
+                if line.startswith("data: "):
+                    break
+            with server.admin_client() as http:
+                data = http.post("/export_request", params={"rid": rid, "mode": "copy"}).content
+        snapshot = RequestSnapshot.from_bytes(data)
+        return [block.payload for block in snapshot.blocks[: 200 // 16]]
+
+    mono_blocks = exported_blocks(pair.mono.base_url, pair.mono, "kv-mono")
+    assert exported_blocks(pair.router.base_url, pair.decode, "kv-pd") == mono_blocks
+    idle(pair.prefill, pair.decode, pair.mono)
+
+
+def test_first_token_finishes_take_no_decode_step(cluster):
+    """EOS as the first token, a stop string the first token completes, max_tokens=1: one token
+    (or none shown), the right finish reason, and the decode instance runs no step for it."""
+    pair = cluster[256]
+    prompt = prompt_of(50, 50)
+    first = httpx.post(pair.mono.base_url + "/generate", headers=HEADERS, timeout=60, json={
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()["text"]
+    eos = 2  # SmolLM2's <|im_end|>
+    cases = [({"max_tokens": 1}, "length", first), ({"logit_bias": {str(eos): 100}}, "stop", ""),
+             ({"stop": [first]} if first.strip() else {"max_tokens": 1}, "stop" if first.strip() else "length",
+              "" if first.strip() else first)]
+    for extra, reason, text in cases:
+        steps = decode_steps(pair.decode)
+        answer = pair.router.post("/v1/completions", {"prompt": prompt, "temperature": 0, "max_tokens": 16, **extra})
+        choice = answer.json()["choices"][0]
+        assert (choice["finish_reason"], choice["text"]) == (reason, text), extra
+        assert answer.json()["usage"]["completion_tokens"] <= 1
+        assert decode_steps(pair.decode) == steps, f"the decode instance stepped for {extra}"
+    idle(pair.prefill, pair.decode)
+
+
+def _stream_until(router: Router, body: dict, condition, timeout_s: float = 60.0) -> None:
+    """Stream a request through the router and hang up once `condition()` holds."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=180) as http:
+        with http.stream("POST", router.base_url + "/v1/completions", json=body, headers=HEADERS) as response:
+            if condition is None:
+                for index, _ in enumerate(response.iter_lines()):
+                    if index >= 6:  # a few tokens decoded
+                        return
+            while not condition():
+                assert time.monotonic() < deadline, "the condition never held"
+                time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stage", ["prefilling", "between_chunks", "decoding"])
+def test_an_abort_at_any_stage_gives_every_block_back(cluster, stage):
+    """A client hanging up while the prefill computes, after some blocks reached the decode side,
+    or while the decode side decodes: both instances go back to no request and all their blocks,
+    and a new request on the freed blocks decodes exactly like the monolithic server."""
+    pair = cluster[64]
+    body = {"prompt": prompt_of(2047, hash(stage) % 1000), "max_tokens": 64, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    if stage == "prefilling":
+        running = pair.prefill.metrics
+        _stream_until(pair.router, body, lambda: running()["chunkserve:num_requests_running{}"] >= 1)
+    elif stage == "between_chunks":
+        before = transfer_bytes(pair.decode)
+        _stream_until(pair.router, body, lambda: transfer_bytes(pair.decode) > before)
+    else:
+        _stream_until(pair.router, {**body, "prompt": prompt_of(100, 5)}, None)
+    idle(pair.prefill, pair.decode)
+    probe = {"prompt": prompt_of(600, 600), "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    mono = httpx.post(pair.mono.base_url + "/v1/completions", json=probe, headers=HEADERS, timeout=180)
+    assert_same(mono, pair.router.post("/v1/completions", probe))
+    idle(pair.prefill, pair.decode)
+
+
+def _prefill_with_faults(tmp_path_factory, name: str, env: dict[str, str]):
+    """A prefill instance with fault injection, up only while the test that needs it runs (each
+    instance is a model's worth of memory)."""
+    server, port = start_prefill(tmp_path_factory, name, env=env)
+    try:
+        yield wait_until_up(server), port
+    finally:
+        stop_server(server)
+
+
+@pytest.fixture
+def corrupting_prefill(tmp_path_factory):
+    """Every KV message corrupted."""
+    yield from _prefill_with_faults(tmp_path_factory, "corrupt", {"CHUNKSERVE_PD_FAIL_PROB": "1"})
+
+
+@pytest.fixture
+def flaky_prefill(tmp_path_factory):
+    """5% of KV messages corrupted."""
+    yield from _prefill_with_faults(tmp_path_factory, "flaky", {"CHUNKSERVE_PD_FAIL_PROB": "0.05",
+                                                                "CHUNKSERVE_PD_FAULT_SEED": "5"})
+
+
+@pytest.fixture(scope="module")
+def slow_prefill(tmp_path_factory):
+    """Every message held back 3 s (the last test using it kills it)."""
+    yield from _prefill_with_faults(tmp_path_factory, "slow", {"CHUNKSERVE_PD_DELAY_MS": "3000"})
+
+
+def test_a_corrupted_chunk_aborts_the_request_and_caches_nothing(cluster, corrupting_prefill):
+    pair = cluster[64]
+    prompt = prompt_of(120, 4242)
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    _, answer = pair.direct("/v1/completions", body, prefill=corrupting_prefill)
+    assert answer.status_code == 503 and answer.headers["retry-after"]
+    assert "crc32" in answer.json()["error"]["message"]
+    _, streamed = pair.direct("/v1/completions", {**body, "stream": True}, prefill=corrupting_prefill)
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    idle(pair.decode, corrupting_prefill[0])
+    before = transfer_bytes(pair.decode)  # the corrupted KV was never registered: all 8 blocks travel again
+    mono = httpx.post(pair.mono.base_url + "/v1/completions", json=body, headers=HEADERS, timeout=180)
+    assert_same(mono, pair.router.post("/v1/completions", body))
+    assert pair.decode.wait_until(lambda m: m["chunkserve:kv_transfer_bytes_total{}"] > before)[
+        "chunkserve:kv_transfer_bytes_total{}"] - before == 8 * BLOCK_BYTES
+
+
+def test_five_percent_failed_chunks_over_200_requests_lose_nothing(cluster, flaky_prefill):
+    """Every request ends, answered or with a 503, well within the waiting timeout; both sides
+    end idle with every block back; the decode instance counts the failures."""
+    pair = cluster[64]
+    failed_before = pair.decode.metrics().get("chunkserve:kv_transfer_failed_total{}", 0)
+
+    def one(index: int) -> int:
+        body = {"prompt": prompt_of(40 + index % 40, 10_000 + index), "max_tokens": 4, "temperature": 0}
+        return pair.direct("/v1/completions", body, prefill=flaky_prefill)[1].status_code
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(one, range(200)))
+    assert time.monotonic() - started < 120
+    assert set(statuses) <= {200, 503} and statuses.count(503) > 0, statuses
+    idle(pair.decode, flaky_prefill[0])
+    failed = pair.decode.metrics()["chunkserve:kv_transfer_failed_total{}"] - failed_before
+    assert failed == statuses.count(503)
+
+
+def test_an_abort_after_the_last_chunk_before_the_decode_admits(cluster, slow_prefill, tmp_path_factory):
+    """The prefill side computed everything and its messages are on their way (held back 3 s here)
+    when the client hangs up: both sides end idle, and the decode side drops what arrives late."""
+    pair = cluster[64]
+    slow, port = slow_prefill
+    router = start_router(slow, port, pair.decode, tmp_path_factory, "router-slow-abort")
+    try:
+        body = {"prompt": prompt_of(90, 90), "max_tokens": 8, "temperature": 0, "stream": True}
+        _stream_until(router, body, lambda: transfer_bytes(slow) > 0 and pair.decode.metrics()[
+            "chunkserve:kv_transfer_requests_preallocated{}"] >= 1)
+        idle(slow, pair.decode)
+        time.sleep(3.5)  # the held-back messages land: dropped
+        idle(slow, pair.decode)
+        probe = {"prompt": prompt_of(90, 90), "max_tokens": 8, "temperature": 0, "logprobs": 1}
+        mono = httpx.post(pair.mono.base_url + "/v1/completions", json=probe, headers=HEADERS, timeout=180)
+        assert_same(mono, pair.router.post("/v1/completions", probe))
+    finally:
+        stop_router(router)
+
+
+def test_a_killed_prefill_instance_fails_its_requests_within_the_heartbeat_window(cluster, slow_prefill,
+                                                                                 tmp_path_factory):
+    """SIGKILL of the prefill instance while a request's KV is held back: the decode instance fails
+    it quickly (503), stays healthy and idle; the router answers 503 with Retry-After while no
+    prefill instance is healthy."""
+    pair = cluster[64]
+    slow, port = slow_prefill
+    router = start_router(slow, port, pair.decode, tmp_path_factory, "router-slow")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(router.post, "/v1/completions",
+                                  {"prompt": prompt_of(64, 64), "max_tokens": 8, "temperature": 0})
+            pair.decode.wait_until(lambda m: m["chunkserve:kv_transfer_requests_preallocated{}"] >= 1)
+            slow.process.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            answer = pending.result(timeout=30)
+        assert answer.status_code == 503, answer.text
+        assert time.monotonic() - killed < 0.5 * 3 + 2.0
+        assert httpx.get(pair.decode.base_url + "/health").status_code == 200
+        idle(pair.decode)
+        deadline = time.monotonic() + 10
+        while (health := httpx.get(router.base_url + "/health")).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert health.headers["retry-after"]
+        refused = router.post("/v1/completions", {"prompt": "hello", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+    finally:
+        stop_router(router)
+
+
+def test_a_half_that_never_meets_its_other_half_times_out_and_frees_its_blocks(cluster):
+    """A decode half whose prefill half never arrives is aborted after the waiting timeout (503);
+    a prefill half no decode side bootstraps gives its held blocks back after the bootstrap
+    timeout. Both instances end idle."""
+    pair = cluster[64]
+    paired = {"prompt": prompt_of(70, 70), "max_tokens": 4, "temperature": 0, "bootstrap_host": "127.0.0.1",
+              "bootstrap_port": pair.bootstrap_port}
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        decode_only = pool.submit(httpx.post, pair.decode.base_url + "/v1/completions", headers=HEADERS, timeout=120,
+                                  json={**paired, "bootstrap_room": random.getrandbits(63)})
+        prefill_only = pool.submit(httpx.post, pair.prefill.base_url + "/v1/completions", headers=HEADERS,
+                                   timeout=120, json={**paired, "bootstrap_room": random.getrandbits(63)})
+        answer = decode_only.result()
+        assert prefill_only.result().status_code == 200  # its one token; its KV waits for a decode side
+    assert answer.status_code == 503 and "did not arrive within 30 s" in answer.json()["error"]["message"]
+    assert TIMEOUT_S - 1 < time.monotonic() - started < TIMEOUT_S + 15
+    idle(pair.decode)
+    idle(pair.prefill, timeout_s=TIMEOUT_S + 15)
+
+
+def test_a_plain_request_to_a_prefill_instance_is_refused(cluster):
+    answer = httpx.post(cluster[64].prefill.base_url + "/v1/completions", headers=HEADERS,
+                        json={"prompt": "hello", "max_tokens": 2})
+    assert answer.status_code == 400
+    assert "chunkserve router" in answer.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def small_decode(tmp_path_factory, cluster):
+    """A decode instance of 24 blocks (384 tokens) behind its own router."""
+    small = start_server(tmp_path_factory, "--disaggregation-mode", "decode", "--num-kv-blocks", "24",
+                         "--max-num-seqs", "8", name="decode-small")
+    router = None
+    try:
+        pair = cluster[256]
+        router = start_router(pair.prefill, pair.bootstrap_port, small, tmp_path_factory, "router-small")
+        yield small, router
+    finally:
+        if router is not None:
+            stop_router(router)
+        stop_server(small)
+
+
+def test_a_decode_pool_too_small_for_the_load_makes_requests_wait_and_all_finish(cluster, small_decode):
+    small, router = small_decode
+    pair = cluster[256]
+    bodies = [{"prompt": prompt_of(100, 700 + i), "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+               "logprobs": 1} for i in range(6)]  # 10 blocks each: two fit at once
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda b: router.post("/v1/completions", b), bodies))
+    for body, answer in zip(bodies, answers):
+        assert_same(httpx.post(pair.mono.base_url + "/v1/completions", json=body, headers=HEADERS, timeout=180),
+                    answer)
+    idle(small, pair.prefill)
+
+
+def test_a_request_larger_than_the_decode_pool_is_refused_at_admission(cluster, small_decode):
+    small, router = small_decode
+    answer = router.post("/v1/completions", {"prompt": prompt_of(300, 1), "max_tokens": 200})
+    assert answer.status_code == 400
+    assert "max_model_len" in answer.json()["error"]["message"]
+    idle(small, cluster[256].prefill)
+
+
+def test_a_different_kv_layout_is_refused_at_bootstrap(cluster, tmp_path_factory):
+    other = start_server(tmp_path_factory, "--disaggregation-mode", "decode", "--block-size", "32",
+                         name="decode-bs32")
+    pair = cluster[256]
+    try:
+        _check_layout_refusal(pair, other)
+    finally:
+        stop_server(other)
+
+
+def _check_layout_refusal(pair: Pair, other: Server) -> None:
+    _, answer = pair.direct("/v1/completions", {"prompt": prompt_of(40, 3), "max_tokens": 4}, decode=other)
+    assert answer.status_code == 503
+    assert "block_size is 32 on the decode instance but 16 here" in answer.json()["error"]["message"]
+    idle(other, pair.prefill)
+
+
+def test_server_info_names_the_role(cluster):
+    pair = cluster[64]
+    info = httpx.get(pair.prefill.base_url + "/server_info").json()
+    assert (info["disaggregation_mode"], info["disaggregation_bootstrap_port"]) == ("prefill", pair.bootstrap_port)
+    assert httpx.get(pair.decode.base_url + "/server_info").json()["disaggregation_mode"] == "decode"
+    metrics = pair.decode.metrics()
+    assert metrics["chunkserve:kv_transfer_requests_total{}"] > 0
+    assert metrics["chunkserve:kv_transfer_latency_seconds_count{}"] == metrics["chunkserve:kv_transfer_requests_total{}"]
