@@ -66,6 +66,7 @@ class EngineCore:
         self.triage = StepFailureTriage()
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self._next_step_id = 0
+        self._kv_transfer_bytes = 0  # the connector's running total at the last record
         if self.scheduler_config.tbt_slo_ms is not None or self.scheduler_config.ttft_slo_ms is not None:
             self._profile_step_time()
         logger.info("engine core ready: %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -244,8 +245,9 @@ class EngineCore:
             return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
         duration = time.perf_counter() - start
         self.predictor.observe(StepShape.of(scheduled.scheduled), duration)
-        record = self._record(scheduled, start_wall, duration, margin)
-        return EngineCoreOutputs(outputs, time.time(), record, self.scheduler.stats())
+        stats = self.scheduler.stats()
+        record = self._record(scheduled, start_wall, duration, margin, stats)
+        return EngineCoreOutputs(outputs, time.time(), record, stats)
 
     def _void_step(self, scheduled: SchedulerOutput, error: Exception) -> EngineCoreOutputs | None:
         self.scheduler.void_step(scheduled)
@@ -274,8 +276,13 @@ class EngineCore:
         """While the triage searches, only the requests it tests run."""
         self.scheduler.only = self.triage.tested
 
-    def _record(self, scheduled: SchedulerOutput, start_wall: float, duration: float, margin: float) -> StepRecord:
+    def _record(self, scheduled: SchedulerOutput, start_wall: float, duration: float, margin: float,
+                stats: SchedulerStats) -> StepRecord:
         errors = self.predictor.error_quantiles()
+        moved = 0
+        if stats.kv_transfer is not None:  # bytes sent or copied in since the last record (empty steps have none)
+            moved = stats.kv_transfer.bytes_total - self._kv_transfer_bytes
+            self._kv_transfer_bytes = stats.kv_transfer.bytes_total
         record = StepRecord(
             step_id=self._next_step_id,
             start_time=start_wall,
@@ -294,6 +301,7 @@ class EngineCore:
             prefix_cache_queries=scheduled.prefix_cache_queries,
             prefix_cache_hits=scheduled.prefix_cache_hits,
             prefix_cache_hit_rate=hit_rate(self.scheduler.prefix_cache_hits, self.scheduler.prefix_cache_queries),
+            kv_transfer_bytes=moved,
         )
         self.step_records.append(record)
         self._next_step_id += 1

@@ -63,6 +63,7 @@ class StepRecord:
     prefix_cache_queries: int  # prompt tokens of the requests admitted (for the first time) in this step
     prefix_cache_hits: int  # of those, found in the prefix cache
     prefix_cache_hit_rate: float  # hits / queries since the engine started
+    kv_transfer_bytes: int = 0  # disaggregated: KV bytes sent (prefill) or copied in (decode) since the last record
 
     def to_dict(self) -> dict:
         """One line of a step trace (JSON-ready)."""

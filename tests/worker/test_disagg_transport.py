@@ -145,7 +145,7 @@ class Pair:
                    prompt: list[int] = PROMPT) -> Bootstrap:
         """The decode side asks for the room; returns the bootstrap as the prefill side got it."""
         receive = Receive(request_id, TransferParams(room, "127.0.0.1", self.port), first_block, list(block_ids),
-                          prompt_digest(prompt))
+                          prompt_digest(prompt), len(prompt))
         self.step_decode(DecodeMetadata(receives=[receive]))
         self.pump(lambda: any(b.room == room for b in self.bootstraps))
         return next(b for b in self.bootstraps if b.room == room)
@@ -282,7 +282,8 @@ def test_a_decode_instance_of_another_model_or_layout_is_refused(decode_fingerpr
     the bootstrap, the decode side fails the request naming the difference, and the prefill
     side reports the room aborted (its request fails there too)."""
     with pair(decode_fingerprint=decode_fingerprint) as p:
-        receive = Receive("r", TransferParams(105, "127.0.0.1", p.port), 0, [1, 2, 3, 4, 5, 6], prompt_digest(PROMPT))
+        receive = Receive("r", TransferParams(105, "127.0.0.1", p.port), 0, [1, 2, 3, 4, 5, 6], prompt_digest(PROMPT),
+                          len(PROMPT))
         p.step_decode(DecodeMetadata(receives=[receive]))
         p.pump(lambda: p.failed and p.aborted)
         [(request_id, reason)] = p.failed
@@ -299,7 +300,7 @@ def test_a_cancelled_rooms_late_blocks_are_never_written():
         src, dst = [0, 1, 2, 3, 4, 5], [10, 11, 12, 13, 14, 15]
         fill(p.decode_pool, dst, SENTINEL)
         boot = p.start_room("r", 106, 0, dst)
-        p.step_decode(DecodeMetadata(cancelled={106}))
+        p.step_decode(DecodeMetadata(cancelled={106: TransferParams(106, "127.0.0.1", p.port)}))
         send_all(p, "r", 106, boot.peer, src)
         p.pump(lambda: any(room == 106 for room, _ in p.aborted))
         p.settle()
@@ -342,7 +343,7 @@ def test_an_unreachable_prefill_instance_fails_the_room_quickly():
     with pair() as p:
         port = p.port
         p.kill_prefill()  # its port is free now: nothing listens there
-        receive = Receive("r", TransferParams(108, "127.0.0.1", port), 0, [1, 2], prompt_digest(PROMPT[:8]))
+        receive = Receive("r", TransferParams(108, "127.0.0.1", port), 0, [1, 2], prompt_digest(PROMPT[:8]), 8)
         p.step_decode(DecodeMetadata(receives=[receive]))
         took = p.pump(lambda: p.failed, timeout=DEAD_WINDOW + 1, prefill=False)
         assert INTERVAL * MAX_FAILURES - 0.05 <= took <= DEAD_WINDOW

@@ -25,7 +25,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from chunkserve.core.disagg.protocol import DecodeMetadata, DecodeOutput, FirstToken, Receive, prompt_digest
+from chunkserve.core.disagg.protocol import (
+    DecodeMetadata,
+    DecodeOutput,
+    FirstToken,
+    Receive,
+    TransferParams,
+    prompt_digest,
+)
 from chunkserve.core.kv_connector import KVConnectorScheduler
 from chunkserve.core.request import Request
 from chunkserve.core.sched.output import RECENT_LATENCIES, KVTransferStats, SchedulerOutput
@@ -52,7 +59,7 @@ class DecodeConnectorScheduler(KVConnectorScheduler):
         self._rooms: dict[int, _Room] = {}
         self._by_request: dict[str, int] = {}
         self._receives: list[Receive] = []
-        self._cancelled: set[int] = set()
+        self._cancelled: dict[int, TransferParams] = {}
         self._failed: dict[str, str] = {}
         self._first: dict[str, FirstToken] = {}
         self._bytes = self._transfers = self._failures = 0
@@ -75,7 +82,8 @@ class DecodeConnectorScheduler(KVConnectorScheduler):
         first_block = (request.num_prompt_tokens - num_external_tokens) // self.block_size
         room.state, room.started = PREALLOCATED, self._clock()
         self._receives.append(Receive(request.request_id, request.kv_transfer_params, first_block,
-                                      list(block_ids[first_block:]), prompt_digest(request.prompt_token_ids)))
+                                      list(block_ids[first_block:]), prompt_digest(request.prompt_token_ids),
+                                      request.num_prompt_tokens))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DecodeMetadata:
         now = self._clock()
@@ -84,16 +92,16 @@ class DecodeConnectorScheduler(KVConnectorScheduler):
                 self._fail(room.request_id, f"its KV did not arrive within {self.waiting_timeout:g} s "
                                             f"(--disaggregation-waiting-timeout; it was {room.state})")
         meta = DecodeMetadata(self._receives, self._cancelled, scheduler_output.is_empty)
-        self._receives, self._cancelled = [], set()
+        self._receives, self._cancelled = [], {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """Blocks go back at once: only the engine thread writes them, and it drops the room first."""
+        """Blocks go back at once: only the engine thread writes them, and it drops the room first.
+        The prefill side is told even if it was never asked (it may hold its half's blocks for us)."""
         room_id = self._by_request.pop(request.request_id, None)
         if room_id is not None:
-            room = self._rooms.pop(room_id)
-            if room.state != BOOTSTRAPPING:
-                self._cancelled.add(room_id)
+            self._rooms.pop(room_id)
+            self._cancelled[room_id] = request.kv_transfer_params
             self._receives = [r for r in self._receives if r.request_id != request.request_id]
         self._first.pop(request.request_id, None)
         return False, None

@@ -146,8 +146,8 @@ class PrefillConnectorScheduler(KVConnectorScheduler):
             if room is not None:
                 self._accept(room, bootstrap, now)
             elif bootstrap.room in self._ended:
-                self._fails.append((bootstrap.peer, bootstrap.room,
-                                    f"room {bootstrap.room} ended on the prefill instance: {self._ended[bootstrap.room]}"))
+                reason = f"room {bootstrap.room} ended on the prefill instance: {self._ended[bootstrap.room]}"
+                self._fails.append((bootstrap.peer, bootstrap.room, reason))
             else:  # its request has not reached this instance yet
                 self._early[bootstrap.room] = _Early(bootstrap, now + self.bootstrap_timeout)
         for room_id, credits in output.credits:
@@ -165,6 +165,8 @@ class PrefillConnectorScheduler(KVConnectorScheduler):
             if room is not None:
                 room.peer = None  # it is gone: nothing more is sent to it
                 self._fail(room, f"the decode instance gave the request up: {reason}")
+            else:  # its request may still come: it then runs without a room (nobody takes its KV)
+                self._remember_ended(room_id, reason)
         for request_id, _, seconds in output.sent:
             self._unconfirmed.discard(request_id)
             self._transfers += 1
@@ -287,6 +289,9 @@ class PrefillConnectorScheduler(KVConnectorScheduler):
     def _forget(self, room: _Room, reason: str) -> None:
         self._rooms.pop(room.room, None)
         self._by_request.pop(room.request.request_id, None)
-        self._ended[room.room] = reason
+        self._remember_ended(room.room, reason)
+
+    def _remember_ended(self, room_id: int, reason: str) -> None:
+        self._ended[room_id] = reason
         while len(self._ended) > MAX_ENDED_ROOMS:
             self._ended.popitem(last=False)

@@ -124,12 +124,13 @@ class Receive:
     first_block: int
     block_ids: list[int]
     prompt_digest: str
+    prompt_len: int
 
 
 @dataclass
 class DecodeMetadata:
     receives: list[Receive] = field(default_factory=list)
-    cancelled: set[int] = field(default_factory=set)  # rooms whose requests ended here: drop, tell the prefill side
+    cancelled: dict[int, TransferParams] = field(default_factory=dict)  # ended here: drop, tell the prefill side
     idle: bool = False
 
 

@@ -108,12 +108,11 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
     @app.get("/server_info")
     async def server_info():
         """What a router needs to know of this instance (open, like /health)."""
-        disaggregated = engine_args.disaggregation_mode != "null"
+        mode, backend = engine_args.disaggregation_mode, engine_args.disaggregation_transfer_backend
         return {"model": model_name, "version": VERSION, "max_model_len": engine.info.max_model_len,
-                "disaggregation_mode": engine_args.disaggregation_mode,
-                "disaggregation_transfer_backend": engine_args.disaggregation_transfer_backend if disaggregated else None,
+                "disaggregation_mode": mode, "disaggregation_transfer_backend": None if mode == "null" else backend,
                 "disaggregation_bootstrap_port":
-                    engine_args.disaggregation_bootstrap_port if engine_args.disaggregation_mode == "prefill" else None}
+                    engine_args.disaggregation_bootstrap_port if mode == "prefill" else None}
 
     @app.get("/metrics")
     async def prometheus_metrics():

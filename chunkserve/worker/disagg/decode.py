@@ -96,12 +96,11 @@ class DecodeConnectorWorker(KVConnectorWorker):
 
     def start_load_kv(self) -> None:
         meta, self._meta = self._meta or DecodeMetadata(), None
-        for room_id in meta.cancelled:
-            room = self._rooms.pop(room_id, None)
-            if room is not None:
-                self._send(room.endpoint, header("abort", room=room_id, reason="the request ended on the decode "
-                                                                              "instance"))
         now = time.monotonic()
+        for room_id, params in meta.cancelled.items():
+            self._rooms.pop(room_id, None)
+            self._peer(params.endpoint, now)
+            self._send(params.endpoint, header("abort", room=room_id, reason="the request ended on the decode side"))
         for receive in meta.receives:
             self._bootstrap(receive, now)
         self._watch_peers(now)
@@ -229,8 +228,15 @@ class DecodeConnectorWorker(KVConnectorWorker):
             return
         try:
             first = FirstToken.from_wire(done["first_token"])
+            layout_problem = self.fingerprint.mismatch(ModelFingerprint.from_dict(done["fingerprint"]))
+            if int(done["prompt_len"]) != room.receive.prompt_len:
+                layout_problem = f"the prefill instance computed {done['prompt_len']} prompt tokens, not " \
+                                 f"{room.receive.prompt_len}"
         except (KeyError, TypeError, ValueError) as error:
             self._fail(room_id, f"room {room_id}'s final message is malformed ({error!r})", tell_prefill=False)
+            return
+        if layout_problem is not None:
+            self._fail(room_id, f"room {room_id}'s KV does not fit this instance: {layout_problem}", False)
             return
         del self._rooms[room_id]
         request_id = room.receive.request_id

@@ -150,8 +150,9 @@ class PrefillConnectorWorker(KVConnectorWorker):
             token_id, token_logprobs, state = sampled
             first = FirstToken(token_id, token_logprobs, state, send.num_cached_tokens)
             self._queue(send.room, [send.peer, header(
-                "done", room=send.room, num_blocks=len(crcs), digest=block_digest(crcs), prompt_len=send.prompt_len,
-                first_token=first.to_wire())], sent=(send.request_id, started))
+                "done", room=send.room, request_id=send.request_id, num_blocks=len(crcs), digest=block_digest(crcs),
+                prompt_len=send.prompt_len, fingerprint=self.fingerprint.to_dict(), first_token=first.to_wire())],
+                sent=(send.request_id, started))
 
     def _queue(self, room: int, frames: list, delay: bool = True, sent: tuple[str, float] | None = None) -> None:
         """`sent`: (request id, when its first block went) once this is the final message, reported

@@ -95,12 +95,15 @@ def start_prefill(tmp_path_factory, name: str, *flags: str, env: dict | None = N
 
 
 def idle(*servers: Server, timeout_s: float = 30.0) -> None:
-    """Every server back to no request, every block free or cached (its self-check)."""
+    """Every server back to no request and every block free (cached blocks count as free): its
+    /metrics and its self-check agree."""
     deadline = time.monotonic() + timeout_s
     for server in servers:
         while True:
-            report = server.check()
-            if report["ok"]:
+            report, metrics = server.check(), server.metrics()
+            gauges = [metrics[f"chunkserve:{name}{{}}"] for name in ("num_requests_running", "num_requests_waiting",
+                                                                      "kv_cache_free_blocks", "kv_cache_total_blocks")]
+            if report["ok"] and gauges[:2] == [0, 0] and gauges[2] == gauges[3]:
                 break
             assert time.monotonic() < deadline, f"{server.base_url} never went idle: {report}"
             time.sleep(0.1)
@@ -515,11 +518,15 @@ def _check_layout_refusal(pair: Pair, other: Server) -> None:
     idle(other, pair.prefill)
 
 
-def test_server_info_names_the_role(cluster):
+def test_server_info_names_the_role_and_metrics_count_transfers(cluster):
     pair = cluster[64]
     info = httpx.get(pair.prefill.base_url + "/server_info").json()
     assert (info["disaggregation_mode"], info["disaggregation_bootstrap_port"]) == ("prefill", pair.bootstrap_port)
     assert httpx.get(pair.decode.base_url + "/server_info").json()["disaggregation_mode"] == "decode"
     metrics = pair.decode.metrics()
     assert metrics["chunkserve:kv_transfer_requests_total{}"] > 0
-    assert metrics["chunkserve:kv_transfer_latency_seconds_count{}"] == metrics["chunkserve:kv_transfer_requests_total{}"]
+    with pair.decode.admin_client() as http:  # the step trace's records carry the bytes copied in
+        steps = http.get("/debug/steps", params={"last": 100_000}).json()["steps"]
+    assert sum(step["kv_transfer_bytes"] for step in steps) > 0
+    transfers = metrics["chunkserve:kv_transfer_requests_total{}"]
+    assert metrics["chunkserve:kv_transfer_latency_seconds_count{}"] == transfers
