@@ -193,8 +193,8 @@ class EngineArgs:
         if self.disaggregation_mode != "null" and self.enable_hierarchical_cache:
             fail("disaggregation_mode and enable_hierarchical_cache cannot be combined yet (one KV connector per "
                  "engine)")
-        if not 0 <= self.disaggregation_bootstrap_port <= 65535:
-            fail(f"disaggregation_bootstrap_port must be in [0, 65535], got {self.disaggregation_bootstrap_port}")
+        if not 1 <= self.disaggregation_bootstrap_port <= 65535:
+            fail(f"disaggregation_bootstrap_port must be in [1, 65535], got {self.disaggregation_bootstrap_port}")
         for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout",
                      "disaggregation_heartbeat_interval", "disaggregation_kv_lease_timeout"):
             if not getattr(self, name) > 0:

@@ -91,6 +91,11 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        room = None if request.kv_transfer_params is None else request.kv_transfer_params.room
+        if room is not None and any(r.kv_transfer_params is not None and r.kv_transfer_params.room == room
+                                    for r in self.scheduler.requests.values()):
+            raise InvalidRequestError(f"bootstrap_room {room} is already in use by a request in flight",
+                                      "bootstrap_room")
         self.scheduler.add_request(Request(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -240,8 +245,8 @@ class EngineCore:
             self.triage.forget([o.request_id for o in outputs if o.finished])
             self._restrict_to_tested()
         if scheduled.is_empty:  # (a KV connector's progress shows in the stats, e.g. /metrics)
-            if runner_output.kv_connector_output is None and not outputs:  # (a transfer that timed out has one)
-                return None
+            if runner_output.kv_connector_output is None and not outputs and not runner_output.finished_sending:
+                return None  # (a transfer that timed out has an output; held blocks freed change the stats)
             return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
         duration = time.perf_counter() - start
         self.predictor.observe(StepShape.of(scheduled.scheduled), duration)

@@ -100,7 +100,7 @@ class DecodeConnectorScheduler(KVConnectorScheduler):
         The prefill side is told even if it was never asked (it may hold its half's blocks for us)."""
         room_id = self._by_request.pop(request.request_id, None)
         if room_id is not None:
-            self._rooms.pop(room_id)
+            self._rooms.pop(room_id, None)
             self._cancelled[room_id] = request.kv_transfer_params
             self._receives = [r for r in self._receives if r.request_id != request.request_id]
         self._first.pop(request.request_id, None)

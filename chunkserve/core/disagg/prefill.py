@@ -114,10 +114,8 @@ class PrefillConnectorScheduler(KVConnectorScheduler):
             if send is None:
                 continue
             meta.sends.append(send)
-            if send.final:
+            if send.final:  # (a finished request's room is forgotten once the worker confirms the final message)
                 self._unconfirmed.add(send.request_id)
-                if room.held_blocks is not None:  # its request finished: the worker's finished_sending frees them
-                    self._forget(room, "the request's KV was sent")
         meta.fails, self._fails = self._fails, []
         meta.released, self._released = self._released, set()
         return meta
@@ -169,6 +167,9 @@ class PrefillConnectorScheduler(KVConnectorScheduler):
                 self._remember_ended(room_id, reason)
         for request_id, _, seconds in output.sent:
             self._unconfirmed.discard(request_id)
+            room = self._rooms.get(self._by_request.get(request_id, -1))
+            if room is not None and room.final_listed:
+                self._forget(room, "the request's KV was sent")
             self._transfers += 1
             self._latencies.append(seconds)
 
@@ -259,6 +260,8 @@ class PrefillConnectorScheduler(KVConnectorScheduler):
 
     def _expire(self, now: float) -> None:
         for room in list(self._rooms.values()):
+            if room.final_listed:  # all of it is on its way
+                continue
             if room.peer is None and now > room.bootstrap_deadline:
                 self._fail(room, f"no decode instance bootstrapped room {room.room} within "
                                  f"{self.bootstrap_timeout:g} s")
@@ -282,7 +285,8 @@ class PrefillConnectorScheduler(KVConnectorScheduler):
             self._failed[room.request.request_id] = f"KV transfer failed: {reason}"
 
     def _end(self, room: _Room, reason: str) -> None:
-        if room.peer is not None and not room.final_listed:
+        told = any(room_id == room.room for _, room_id, _ in self._fails)
+        if not room.final_listed and not told:  # the worker forgets the room; a decode side that asked is told
             self._fails.append((room.peer, room.room, reason))
         self._forget(room, reason)
 

@@ -81,7 +81,7 @@ class BlockSend:
 class PrefillMetadata:
     sends: list[BlockSend] = field(default_factory=list)
     sampling: dict[str, int] = field(default_factory=dict)  # request id -> room: keep its first token
-    fails: list[tuple[bytes, int, str]] = field(default_factory=list)  # (peer, room, reason): tell the decode side
+    fails: list[tuple[bytes | None, int, str]] = field(default_factory=list)  # (peer, room, why): ended rooms
     released: set[str] = field(default_factory=set)  # finished requests whose held blocks may go
     idle: bool = False  # the step computes nothing: the worker may wait a little for messages
 

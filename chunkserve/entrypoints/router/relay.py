@@ -216,10 +216,20 @@ class PDExchange:
                 response = decode_task.result()
             except httpx.TransportError as error:
                 return await self.relay.unreachable(decode, error).send(send)
-            if await self._forward(response, send):
-                if not refused:
-                    await prefill_task  # both answers read to the end before the client's ends
-                await send({"type": "http.response.body", "body": b""})
+            forward = asyncio.create_task(self._forward(response, send))
+            watched = {forward} if refused else {forward, prefill_task}
+            done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            if forward not in done and (failure := prefill_task.result()) is not None:
+                # the prefill half failed after the decode's stream began: that stream would only wait out its
+                # timeout; it is cut (the decode side aborts) and the client told in-band, as a server does
+                forward.cancel()
+                await asyncio.wait({forward})
+                await send({"type": "http.response.body", "body": _stream_error(failure), "more_body": True})
+            elif not await forward:
+                return
+            if not refused:
+                await prefill_task  # both answers read to the end before the client's ends
+            await send({"type": "http.response.body", "body": b""})
         finally:
             prefill_task.cancel()
             decode_task.cancel()
@@ -264,6 +274,16 @@ class PDExchange:
             logger.warning("the decode instance broke off its answer to a %s request: %r", self.route, error)
             return False
         return True
+
+
+def _stream_error(failure: Answer) -> bytes:
+    """The prefill half's error as the last events of an SSE stream (OpenAI's in-band error)."""
+    try:
+        error = json.loads(failure.body)["error"]
+    except (ValueError, KeyError, TypeError):
+        error = {"message": failure.body.decode(errors="replace")[:MAX_LOGGED_BODY_CHARS], "type": "upstream_error",
+                 "param": None, "code": failure.status}
+    return f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
 
 
 async def _disconnect(receive: Receive) -> None:

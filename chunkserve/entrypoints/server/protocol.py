@@ -47,7 +47,7 @@ class StreamOptions(_Body):
 class _Bootstrap(_Body):
     """The router's pairing of a disaggregated request (SGLang's field names)."""
 
-    bootstrap_host: Annotated[str, Field(min_length=1, max_length=255)] | None = None
+    bootstrap_host: Annotated[str, Field(pattern=r"^[A-Za-z0-9.\-]{1,253}$|^\[[0-9A-Fa-f:.]{2,45}\]$")] | None = None
     bootstrap_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     bootstrap_room: Annotated[int, Field(ge=0, le=MAX_ROOM)] | None = None
 

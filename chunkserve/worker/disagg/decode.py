@@ -97,10 +97,11 @@ class DecodeConnectorWorker(KVConnectorWorker):
     def start_load_kv(self) -> None:
         meta, self._meta = self._meta or DecodeMetadata(), None
         now = time.monotonic()
-        for room_id, params in meta.cancelled.items():
+        for room_id in meta.cancelled:  # first, before anything can fail: their blocks may be another's now
             self._rooms.pop(room_id, None)
-            self._peer(params.endpoint, now)
-            self._send(params.endpoint, header("abort", room=room_id, reason="the request ended on the decode side"))
+        for room_id, params in meta.cancelled.items():
+            if self._peer(params.endpoint, now) is not None:
+                self._send(params.endpoint, header("abort", room=room_id, reason="the request ended on the decode side"))
         for receive in meta.receives:
             self._bootstrap(receive, now)
         self._watch_peers(now)
@@ -130,6 +131,9 @@ class DecodeConnectorWorker(KVConnectorWorker):
     def _bootstrap(self, receive: Receive, now: float) -> None:
         endpoint = receive.params.endpoint
         peer = self._peer(endpoint, now)
+        if peer is None:
+            self._output.failed.append((receive.request_id, f"the prefill instance's address {endpoint} is not usable"))
+            return
         room = _Room(receive, endpoint, now)
         self._rooms[receive.params.room] = room
         self._output.bootstrapped.append(receive.request_id)
@@ -163,7 +167,7 @@ class DecodeConnectorWorker(KVConnectorWorker):
                     break
                 try:
                     self._on_message(parse_header(frames[0].buffer), frames[1:])
-                except (ValueError, KeyError, TypeError) as error:
+                except Exception as error:  # whatever a peer sends, the engine goes on
                     logger.warning("dropped a malformed message from %s: %r", peer.endpoint, error)
 
     def _on_message(self, message: dict, payloads: list[zmq.Frame]) -> None:
@@ -219,11 +223,11 @@ class DecodeConnectorWorker(KVConnectorWorker):
     def _complete(self, room_id: int, room: _Room) -> None:
         done = room.done
         expected = [room.crcs.get(room.receive.first_block + i) for i in range(room.num_expected)]
-        if None in expected or int(done["num_blocks"]) != room.num_expected:
+        if None in expected or done.get("num_blocks") != room.num_expected:
             missing = expected.count(None)
             self._fail(room_id, f"{missing} of room {room_id}'s {room.num_expected} blocks never arrived", False)
             return
-        if done["digest"] != block_digest(expected):
+        if done.get("digest") != block_digest(expected):
             self._fail(room_id, f"room {room_id}'s digest does not match its blocks", tell_prefill=False)
             return
         try:
@@ -232,7 +236,7 @@ class DecodeConnectorWorker(KVConnectorWorker):
             if int(done["prompt_len"]) != room.receive.prompt_len:
                 layout_problem = f"the prefill instance computed {done['prompt_len']} prompt tokens, not " \
                                  f"{room.receive.prompt_len}"
-        except (KeyError, TypeError, ValueError) as error:
+        except Exception as error:
             self._fail(room_id, f"room {room_id}'s final message is malformed ({error!r})", tell_prefill=False)
             return
         if layout_problem is not None:
@@ -245,7 +249,8 @@ class DecodeConnectorWorker(KVConnectorWorker):
 
     # ----- peers -----------------------------------------------------------------------------------------
 
-    def _peer(self, endpoint: str, now: float) -> _Peer:
+    def _peer(self, endpoint: str, now: float) -> _Peer | None:
+        """The connection to a prefill instance (made on first use); None when `endpoint` cannot be connected to."""
         peer = self._peers.get(endpoint)
         if peer is None:
             socket = self._context.socket(zmq.DEALER)
@@ -254,7 +259,14 @@ class DecodeConnectorWorker(KVConnectorWorker):
             socket.setsockopt(zmq.HEARTBEAT_IVL, int(self.heartbeat_interval * 1000))
             socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.dead_after * 1000))
             monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            socket.connect(endpoint)
+            try:
+                socket.connect(endpoint)
+            except zmq.ZMQError as error:
+                logger.warning("cannot connect to the prefill instance at %s: %s", endpoint, error)
+                socket.disable_monitor()
+                monitor.close(linger=0)
+                socket.close(linger=0)
+                return None
             peer = _Peer(endpoint, socket, monitor, now)
             self._peers[endpoint] = peer
         return peer

@@ -85,7 +85,8 @@ class PrefillConnectorWorker(KVConnectorWorker):
         meta = self._meta or PrefillMetadata()
         for peer, room, reason in meta.fails:
             self._forget(room)
-            self._queue(room, [peer, header("fail", room=room, reason=reason)], delay=False)
+            if peer is not None:  # (None: no decode side ever asked for it)
+                self._queue(room, [peer, header("fail", room=room, reason=reason)], delay=False)
         self._finished_sending |= meta.released
         self._flush()
         waiting = meta.idle and not meta.sends and not self._outbox
@@ -214,7 +215,7 @@ class PrefillConnectorWorker(KVConnectorWorker):
                 elif kind == "abort":
                     output.aborted.append((room, str(message.get("reason", "aborted"))))
                     self._forget(room)
-            except (ValueError, KeyError, TypeError) as error:
+            except Exception as error:  # whatever a peer sends, the engine goes on
                 logger.warning("dropped a malformed message from a decode instance: %r", error)
 
     def _layout_problem(self, raw: dict | None) -> str | None:
