@@ -42,7 +42,9 @@ def load_each_model_once():
 
     loaded: dict[tuple, torch.nn.Module] = {}
 
-    def load_model(source, config, dtype, max_positions):
+    def load_model(source, config, dtype, max_positions, parallel=None):
+        if parallel is not None and parallel.tp_size * parallel.pp_size > 1:  # a shard: not shared
+            return loader.load_model(source, config, dtype, max_positions, parallel)
         key = (source.path, dtype, max_positions)
         if key not in loaded:
             loaded[key] = loader.load_model(source, config, dtype, max_positions)

@@ -1,6 +1,6 @@
 """The package's layers, and that imports point down them only.
 
-    entrypoints (cli, server, LLM; the package's own exports)  ->  engine  ->  executor  ->  worker  ->  model
+    entrypoints (cli, server, LLM; the package's own exports, `python -m chunkserve`)  ->  engine  ->  executor  ->  worker  ->  model
     ->  attention  ->  ops  ->  core (no torch)  ->  config, errors, sampling_params
 
 A module may import its own layer and any below it. `chunkserve.bench` (the load generator)
@@ -28,7 +28,7 @@ LAYERS = [
     ("worker",),
     ("executor",),
     ("engine",),
-    ("entrypoints", ""),  # "": the package itself, whose lazy exports reach every layer
+    ("entrypoints", "", "__main__"),  # "": the package itself, whose lazy exports reach every layer
 ]
 APART = ("bench",)
 NO_TORCH = ("config", "errors", "sampling_params", "version", "core", "bench")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chunkserve.config.limits import CHARS_PER_TOKEN_BOUND, RequestLimits
+from chunkserve.config.parallel import ParallelConfig, parse_layer_partition
 from chunkserve.config.scheduler import (
     DEFAULT_CHUNKED_BUDGET,
     DEFAULT_MAX_NUM_SEQS,
@@ -25,6 +26,7 @@ HICACHE_STORAGE_BACKENDS = ("file",)
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DISAGGREGATION_TRANSFER_BACKENDS = ("zmq",)
+EXECUTOR_BACKENDS = ("uni", "mp")
 
 
 def arg(default: Any, help: str, **extra: Any) -> Any:
@@ -149,6 +151,29 @@ class EngineArgs:
         64, "most KV blocks of one request in flight between the instances (credits the decode side grants as "
         "it copies blocks into its pool), so a long prompt's KV cannot pile up in socket buffers"
     )
+    tensor_parallel_size: int = arg(
+        1, "tensor-parallel ranks: each holds its share of every layer's heads and MLP columns (one all-reduce "
+        "after the attention and one after the MLP of every layer)", aliases=("-tp",)
+    )
+    pipeline_parallel_size: int = arg(
+        1, "pipeline stages: each runs a consecutive share of the layers, up to this many steps in flight",
+        aliases=("-pp",)
+    )
+    pp_layer_partition: str | None = arg(
+        None, "layers per pipeline stage, comma-separated, first stage first (e.g. 12,18; default: as even as "
+        "possible)"
+    )
+    distributed_executor_backend: str | None = arg(
+        None, "uni = the model in the engine's own process (one rank only); mp = one worker process per rank "
+        "(default: uni for one rank, mp for more)", choices=EXECUTOR_BACKENDS
+    )
+    nnodes: int = arg(1, "machines the ranks are spread over (each runs tp x pp / nnodes of them)")
+    node_rank: int = arg(0, "this machine's index among --nnodes; node 0 runs the engine, the others --headless")
+    master_addr: str = arg(
+        "127.0.0.1", "node 0's address: torch.distributed's store listens on --master-port there, the engine's "
+        "control socket on --master-port + 1"
+    )
+    master_port: int = arg(29501, "node 0's torch.distributed store port (the control socket takes the next one)")
     op_backend: str = arg(
         "auto", "cpp = C++ ops (built on first use): decode attention reading the paged KV in place, the "
         "linear layers of small batches, fused norm/rotary/SiLU; torch = plain torch (the reference); auto = "
@@ -202,6 +227,16 @@ class EngineArgs:
         for name in ("disaggregation_heartbeat_max_failures", "disaggregation_transfer_window"):
             if getattr(self, name) < 1:
                 fail(f"{name} must be at least 1, got {getattr(self, name)}")
+        parallel = self.parallel_config()  # checks the parallel flags
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            fail(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                 f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and parallel.world_size > 1:
+            fail(f"the uni executor runs one rank; tensor_parallel_size x pipeline_parallel_size is "
+                 f"{parallel.world_size}: use --distributed-executor-backend mp")
+        if parallel.world_size > 1 and (self.disaggregation_mode != "null" or self.enable_hierarchical_cache):
+            fail("tensor/pipeline parallelism cannot be combined with disaggregation_mode or "
+                 "enable_hierarchical_cache yet (their KV connectors move one rank's KV pool)")
         if self.block_size < 1:
             fail(f"block_size must be positive, got {self.block_size}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
@@ -244,6 +279,16 @@ class EngineArgs:
             if value is not None and value < 1:
                 fail(f"{name} must be positive, got {value}")
 
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.nnodes, self.node_rank,
+                              self.master_addr, self.master_port, parse_layer_partition(self.pp_layer_partition))
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.tensor_parallel_size * self.pipeline_parallel_size > 1 else "uni"
+
     def request_limits(self, max_model_len: int) -> RequestLimits:
         """The frontend's bounds on one request, with the default that depends on max_model_len resolved."""
         prompt_chars = self.max_prompt_chars or CHARS_PER_TOKEN_BOUND * max_model_len
@@ -259,12 +304,15 @@ class EngineArgs:
             else:
                 budget = DEFAULT_SLO_BUDGET if self.tbt_slo_ms is not None else DEFAULT_CHUNKED_BUDGET
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else min(DEFAULT_MAX_NUM_SEQS, budget)
-        resolved = {"max_model_len", "max_num_batched_tokens", "max_num_seqs", "chunk_schedule"}
+        resolved = {"max_model_len", "max_num_batched_tokens", "max_num_seqs", "chunk_schedule", "max_steps_in_flight",
+                    "send_token_ids"}
         names = {f.name for f in dataclasses.fields(SchedulerConfig)} - resolved
         return SchedulerConfig(
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
             max_num_seqs=max_num_seqs,
             chunk_schedule=None if self.chunk_schedule is None else ChunkSchedule.parse(self.chunk_schedule),
+            max_steps_in_flight=self.pipeline_parallel_size,
+            send_token_ids=self.executor_backend == "mp",
             **{n: getattr(self, n) for n in names},
         )

@@ -73,6 +73,12 @@ class SchedulerConfig:
     tbt_slo_ms: float | None = None
     max_prefill_wait_ms: float = 1000.0
     ttft_slo_ms: float | None = None
+    # pipeline parallelism: up to this many steps in flight; a request's computed count advances when it is
+    # scheduled, and a request waiting for a sampled token is not scheduled again until it comes back
+    max_steps_in_flight: int = 1
+    # the workers take every request's tokens from the steps (ScheduledRequest.new_token_ids) instead of
+    # keeping what they sampled: with several ranks, only one samples
+    send_token_ids: bool = False
 
     @property
     def chunk_alignment(self) -> int:

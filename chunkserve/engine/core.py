@@ -9,6 +9,7 @@ step-time model the TBT/TTFT SLOs plan with, and keeps a record of every step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import zlib
@@ -23,14 +24,20 @@ from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv.snapshot import RequestSnapshot, SnapshotBlock
 from chunkserve.core.kv_connector import KVConnectorScheduler
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.output import EngineCoreOutput, SchedulerOutput, SchedulerStats, hit_rate
+from chunkserve.core.sched.output import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+    hit_rate,
+)
 from chunkserve.core.sched.scheduler import Scheduler
 from chunkserve.core.step_predictor import StepShape, StepTimePredictor
 from chunkserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from chunkserve.engine.outputs import StepRecord
 from chunkserve.engine.triage import StepFailureTriage
-from chunkserve.errors import InvalidRequestError, RequestFailedError
-from chunkserve.executor.base import Executor
+from chunkserve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from chunkserve.executor.base import Executor, StepHandle
 from chunkserve.executor.uniproc import UniProcExecutor
 from chunkserve.model.config import ModelConfig
 
@@ -50,7 +57,7 @@ class EngineCore:
         executor's workers); none moves no KV, unless `enable_hierarchical_cache` asks for the
         disk tier (whose worker side the workers build)."""
         self.config = config
-        self.executor = executor or UniProcExecutor(config)
+        self.executor = executor or make_executor(config)
         self.model_config: ModelConfig = self.executor.model_config
         num_blocks = self.executor.determine_num_kv_blocks()
         self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks)
@@ -67,6 +74,8 @@ class EngineCore:
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self._next_step_id = 0
         self._kv_transfer_bytes = 0  # the connector's running total at the last record
+        # pipelined: steps handed to the executor whose outputs are not back, oldest first
+        self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float, float, float]] = deque()
         if self.scheduler_config.tbt_slo_ms is not None or self.scheduler_config.ttft_slo_ms is not None:
             self._profile_step_time()
         logger.info("engine core ready: %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -132,6 +141,7 @@ class EngineCore:
         them) travel without their payload."""
         if mode not in EXPORT_MODES:
             raise InvalidRequestError(f"export mode must be one of {EXPORT_MODES}, got {mode!r}")
+        self._refuse_snapshots_when_split()
         request = self.scheduler.requests.get(request_id)
         if request is None:
             raise InvalidRequestError(f"no unfinished request {request_id!r} to export")
@@ -170,6 +180,7 @@ class EngineCore:
         its own id): its KV is copied into this pool, skipping the blocks this pool caches, and
         it runs from where it stopped. A snapshot that does not fit this engine is refused with
         InvalidRequestError before anything is allocated."""
+        self._refuse_snapshots_when_split()
         snapshot.verify(self.fingerprint)
         params = snapshot.sampling_params
         if params.max_tokens is None or len(snapshot.output_token_ids) >= params.max_tokens:
@@ -199,8 +210,13 @@ class EngineCore:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
             raise
 
+    def _refuse_snapshots_when_split(self) -> None:
+        if self.config.parallel_config().world_size > 1:
+            raise InvalidRequestError("request snapshots (export/import) are not supported with tensor or pipeline "
+                                      "parallelism yet: each rank holds only its share of the KV")
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self.scheduler.requests)
@@ -230,13 +246,56 @@ class EngineCore:
         """One step; None when nothing was scheduled (unless the KV connector reported progress:
         then no outputs and no record, but fresh stats). A step the executor fails is void and
         fails only the requests found to cause it (triage.py); the others run again."""
+        if self.executor.max_concurrent_batches > 1:
+            return self._step_pipelined()
         start_wall, start = time.time(), time.perf_counter()
         margin = self.predictor.margin
         scheduled = self.scheduler.schedule()
         try:
             runner_output = self.executor.execute_model(scheduled)
+        except EngineDeadError:
+            raise
         except Exception as error:
             return self._void_step(scheduled, error)
+        return self._complete_step(scheduled, runner_output, start_wall, start, margin)
+
+    def _step_pipelined(self) -> EngineCoreOutputs | None:
+        """Pipeline parallelism: keep up to `max_concurrent_batches` steps in flight (each stage
+        works on a different one), then take the oldest one's output. A step that fails voids
+        every step in flight after it too (they were scheduled on its progress)."""
+        while len(self._in_flight) < self.executor.max_concurrent_batches:
+            start_wall, start, margin = time.time(), time.perf_counter(), self.predictor.margin
+            scheduled = self.scheduler.schedule()
+            if scheduled.is_empty:
+                if self._in_flight:  # all that may run is in flight: its finished ids ride the next step
+                    self.scheduler.void_step(scheduled)
+                    break
+                return self._complete_step(scheduled, self.executor.execute_model(scheduled), start_wall, start,
+                                           margin)
+            self._in_flight.append((scheduled, self.executor.submit(scheduled), start_wall, start, margin))
+        scheduled, handle, start_wall, start, margin = self._in_flight.popleft()
+        try:
+            runner_output = handle.result()
+        except EngineDeadError:
+            raise
+        except Exception as error:
+            later = []
+            while self._in_flight:
+                step, pending = self._in_flight.popleft()[:2]
+                try:
+                    pending.result()
+                except EngineDeadError:
+                    raise
+                except Exception:
+                    pass
+                later.append(step)
+            for step in reversed(later):
+                self.scheduler.void_step(step)
+            return self._void_step(scheduled, error)
+        return self._complete_step(scheduled, runner_output, start_wall, start, margin)
+
+    def _complete_step(self, scheduled: SchedulerOutput, runner_output: ModelRunnerOutput, start_wall: float,
+                       start: float, margin: float) -> EngineCoreOutputs | None:
         outputs = self.scheduler.update_from_output(scheduled, runner_output)  # an empty step may report KV progress
         if self.triage.is_active:
             if scheduled.is_empty:  # none of the tested can run now (short of KV, say): search no more
@@ -249,9 +308,13 @@ class EngineCore:
                 return None  # (a transfer that timed out has an output; held blocks freed change the stats)
             return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
         duration = time.perf_counter() - start
-        self.predictor.observe(StepShape.of(scheduled.scheduled), duration)
+        # pipelined, a step's wall time includes waiting behind the others: the model learns the
+        # slowest stage's time, which is what sizes the micro-batches evenly
+        stage_time = max((r.compute_s for r in runner_output.rank_stats), default=duration)
+        self.predictor.observe(StepShape.of(scheduled.scheduled),
+                               stage_time if self.executor.max_concurrent_batches > 1 else duration)
         stats = self.scheduler.stats()
-        record = self._record(scheduled, start_wall, duration, margin, stats)
+        record = self._record(scheduled, start_wall, duration, margin, stats, runner_output)
         return EngineCoreOutputs(outputs, time.time(), record, stats)
 
     def _void_step(self, scheduled: SchedulerOutput, error: Exception) -> EngineCoreOutputs | None:
@@ -282,8 +345,9 @@ class EngineCore:
         self.scheduler.only = self.triage.tested
 
     def _record(self, scheduled: SchedulerOutput, start_wall: float, duration: float, margin: float,
-                stats: SchedulerStats) -> StepRecord:
+                stats: SchedulerStats, runner_output: ModelRunnerOutput) -> StepRecord:
         errors = self.predictor.error_quantiles()
+        pipelined = self.executor.max_concurrent_batches > 1
         moved = 0
         if stats.kv_transfer is not None:  # bytes sent or copied in since the last record (empty steps have none)
             moved = stats.kv_transfer.bytes_total - self._kv_transfer_bytes
@@ -307,6 +371,9 @@ class EngineCore:
             prefix_cache_hits=scheduled.prefix_cache_hits,
             prefix_cache_hit_rate=hit_rate(self.scheduler.prefix_cache_hits, self.scheduler.prefix_cache_queries),
             kv_transfer_bytes=moved,
+            request_ids=tuple(s.request_id for s in scheduled.scheduled) if pipelined else (),
+            sampled_request_ids=tuple(s.request_id for s in scheduled.scheduled if s.sample) if pipelined else (),
+            ranks=tuple(dataclasses.asdict(r) for r in runner_output.rank_stats),
         )
         self.step_records.append(record)
         self._next_step_id += 1
@@ -372,6 +439,16 @@ class EngineCore:
         except Exception:
             logger.exception("settling the KV connector at shutdown failed")
         self.executor.shutdown()
+
+
+def make_executor(config: EngineArgs) -> Executor:
+    """The executor `distributed_executor_backend` names: the model in this process, or one
+    worker process per rank."""
+    if config.executor_backend == "mp":
+        from chunkserve.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    return UniProcExecutor(config)
 
 
 def resolve_max_model_len(config: EngineArgs, model_config: ModelConfig, num_blocks: int) -> int:

@@ -37,9 +37,10 @@ from chunkserve.engine.messages import (
     Ready,
     Shutdown,
     Stopped,
+    WorkersFailed,
 )
 from chunkserve.engine.outputs import StepRecord
-from chunkserve.errors import ServerOverloadedError
+from chunkserve.errors import EngineDeadError, ServerOverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class EngineCoreLoop:
         self.max_waiting_requests = max_waiting_requests
 
     def run(self, commands: queue.SimpleQueue) -> None:
+        self.core.executor.set_failure_callback(lambda error: commands.put(WorkersFailed(error)))
         try:
             while True:
                 for command in _take(commands, block=not self.core.has_unfinished_requests()):
@@ -77,6 +79,8 @@ class EngineCoreLoop:
                 pass
 
     def _apply(self, command: Command) -> None:
+        if isinstance(command, WorkersFailed):
+            raise command.error
         if isinstance(command, AbortRequests):
             self._abort(command.request_ids)
         elif isinstance(command, CallCore):
@@ -117,6 +121,8 @@ class EngineCoreLoop:
             return
         try:
             step = self.core.step()
+        except EngineDeadError:  # the workers are gone: the loop ends
+            raise
         except Exception as error:  # a bug in the scheduler: its state is suspect, fail everything in flight
             logger.exception("engine step failed outside the executor; aborting every request in flight")
             message = f"the engine step failed ({error!r}); the request was aborted"

@@ -96,7 +96,15 @@ class Shutdown:
     """Abort whatever is in flight, answer `Stopped`, end the loop."""
 
 
-Command = AddRequest | AbortRequests | CallCore | ExportRequest | ImportRequest | Shutdown
+@dataclass
+class WorkersFailed:
+    """The executor's workers failed while the loop waited for commands (a worker process
+    died): the loop ends with `EngineDied`."""
+
+    error: BaseException
+
+
+Command = AddRequest | AbortRequests | CallCore | ExportRequest | ImportRequest | Shutdown | WorkersFailed
 
 
 # ----- events (core -> frontend) ------------------------------------------------------------

@@ -64,6 +64,12 @@ class StepRecord:
     prefix_cache_hits: int  # of those, found in the prefix cache
     prefix_cache_hit_rate: float  # hits / queries since the engine started
     kv_transfer_bytes: int = 0  # disaggregated: KV bytes sent (prefill) or copied in (decode) since the last record
+    # pipelined (the step was in flight from start_time for duration_s, beside others): the requests it
+    # computed, decodes first, and those of them it sampled
+    request_ids: tuple[str, ...] = ()
+    sampled_request_ids: tuple[str, ...] = ()
+    # several ranks: one dict per rank (RankStepStats): rank, compute_s, comm_ops, comm_bytes, comm_s
+    ranks: tuple[dict, ...] = ()
 
     def to_dict(self) -> dict:
         """One line of a step trace (JSON-ready)."""

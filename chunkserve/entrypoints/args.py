@@ -24,7 +24,7 @@ def add_cli_args(args_class: type, parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument(flag, **kwargs)
+        parser.add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)
 
 
 def from_cli_args(args_class: type, namespace: argparse.Namespace) -> Any:
@@ -67,6 +67,10 @@ class ServerArgs:
     )
     log_level: str = arg("info", "server log level", choices=("debug", "info", "warning", "error"))
     trace_steps: str | None = arg(None, "append one JSON line per engine step to this file")
+    headless: bool = arg(
+        False, "run only this node's worker ranks (--node-rank 1 or more of --nnodes), no server: they connect to "
+               "node 0's engine at --master-addr"
+    )
     disable_frontend_multiprocessing: bool = arg(
         False, "run the engine on a thread of the server's process instead of a process of its own "
                "(slower: the server's Python work then stalls the engine's steps on the GIL)"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
+import os
 import sys
 
 from chunkserve.config.engine import EngineArgs
@@ -61,6 +63,24 @@ def _generate(args: argparse.Namespace) -> None:
     print(output.outputs[0].text)
 
 
+def apply_torchrun_env(engine_args: EngineArgs, server_args: ServerArgs) -> tuple[EngineArgs, ServerArgs]:
+    """Under torchrun, each of its processes is one node (`--nproc-per-node 1`): its group rank is
+    the node rank, the group count --nnodes, MASTER_ADDR/MASTER_PORT the store torchrun's agent
+    hosts; node 0 serves, the others run headless. Outside torchrun, the flags as given."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return engine_args, server_args
+    if int(env.get("LOCAL_WORLD_SIZE", "1")) != 1:
+        raise InvalidRequestError("under torchrun, start one chunkserve process per node (--nproc-per-node 1): it "
+                                  "starts the node's worker ranks itself")
+    node_rank = int(env.get("GROUP_RANK", env["RANK"]))
+    engine_args = dataclasses.replace(
+        engine_args, nnodes=int(env.get("GROUP_WORLD_SIZE", env["WORLD_SIZE"])), node_rank=node_rank,
+        master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]),
+    )
+    return engine_args, dataclasses.replace(server_args, headless=node_rank != 0)
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
@@ -68,9 +88,15 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "generate":
             _generate(args)
         elif args.command == "serve":
+            engine_args, server_args = apply_torchrun_env(from_cli_args(EngineArgs, args),
+                                                          from_cli_args(ServerArgs, args))
+            if server_args.headless:
+                from chunkserve.executor.multiproc import run_headless
+
+                sys.exit(run_headless(engine_args))
             from chunkserve.entrypoints.server.app import run_server
 
-            run_server(from_cli_args(EngineArgs, args), from_cli_args(ServerArgs, args))
+            run_server(engine_args, server_args)
         elif args.command == "router":
             from chunkserve.entrypoints.router.app import main as router_main
 

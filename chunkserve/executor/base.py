@@ -7,10 +7,29 @@ worker and returns each one's answer (rank order)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from chunkserve.model.config import ModelConfig
+
+
+class StepHandle(ABC):
+    """A step handed to the workers (`Executor.submit`), whose output may not be back yet."""
+
+    @abstractmethod
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step's output; raises what the step raised."""
+
+
+class _DoneStep(StepHandle):
+    def __init__(self, output: ModelRunnerOutput | None, error: Exception | None) -> None:
+        self._output, self._error = output, error
+
+    def result(self) -> ModelRunnerOutput:
+        if self._error is not None:
+            raise self._error
+        return self._output
 
 
 class Executor(ABC):
@@ -23,6 +42,22 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the output of the one that samples."""
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps that may be in flight at once (a pipeline's stages); 1: one at a time."""
+        return 1
+
+    def submit(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Hand a step to the workers without waiting for it (where the executor can)."""
+        try:
+            return _DoneStep(self.execute_model(scheduler_output), None)
+        except Exception as error:
+            return _DoneStep(None, error)
+
+    def set_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """`callback(error)` is called (from any thread) when the workers fail while the engine
+        is not waiting on them; executors whose workers cannot die apart from the engine ignore it."""
 
     def determine_num_kv_blocks(self) -> int:
         """KV blocks every worker can hold: the smallest of theirs."""

@@ -5,15 +5,24 @@ together: SARATHI's piggybacking); only attention looks at request boundaries. Q
 gate/up are fused into one matmul each when the weights are loaded, each residual add into
 the norm that follows it, and the arithmetic goes through `ModelOps` (model/ops.py), which
 the worker may swap for its C++ ops.
+
+Split over ranks (`ParallelContext`, vLLM's sharding): tensor parallelism gives each rank
+its share of the attention heads and of the MLP's intermediate rows, the layers ending in a
+row-parallel matmul (o_proj, down_proj) summing their partial outputs with one all-reduce,
+and the LM head its share of the vocabulary; pipeline parallelism gives each stage a run of
+layers, the first stage the embedding and the last the final norm and the LM head.
 """
 
 from __future__ import annotations
 
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from chunkserve.attention.paged import AttentionMetadata, paged_attention, write_kv
 from chunkserve.model.config import ModelConfig
+from chunkserve.model.parallel import ParallelContext, block_columns, block_rows
 from chunkserve.ops.model_ops import TORCH_OPS, BlockWeight, ModelOps
 
 
@@ -63,9 +72,15 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module, UsesOps):
-    def __init__(self, config: ModelConfig) -> None:
+    """This rank's heads: q/k/v column-parallel (the rows of its q, k and v heads, fused), o_proj
+    row-parallel (the input columns of its q heads)."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.parallel = parallel
+        self.num_heads = len(parallel.shard_range(config.num_heads))
+        self.num_kv_heads = len(parallel.kv_head_range(config.num_kv_heads))
+        self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
@@ -87,26 +102,30 @@ class Attention(nn.Module, UsesOps):
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.view(num_rows, self.q_size))
+        return self.parallel.all_reduce(self.o_proj(out.view(num_rows, self.q_size)))
 
 
 class MLP(nn.Module, UsesOps):
-    def __init__(self, config: ModelConfig) -> None:
+    """This rank's intermediate rows: gate_up column-parallel, down_proj row-parallel."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.parallel = parallel
+        intermediate = config.intermediate_size // parallel.tp_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.parallel.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, parallel)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -124,16 +143,32 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module, UsesOps):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    """This rank's part of the model: its stage's layers (`parallel.layers`, indexed locally
+    from 0), sharded over its TP ranks. Modules the stage does not run are None."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, parallel: ParallelContext | None = None) -> None:
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        parallel = parallel or ParallelContext.single()
+        self.config, self.parallel = config, parallel
+        self.layer_range = range(config.num_layers) if parallel.layers is None else parallel.layers  # global indices
+        first, last, tied = parallel.is_first_stage, parallel.is_last_stage, config.tie_word_embeddings
+        self.vocab_rows = parallel.vocab_shard(config.vocab_size)  # the LM head's rows on this rank
+        self.vocab_shard_size = -(-config.vocab_size // parallel.tp_size)  # every shard's logits, padded
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if first else None
         self.rotary = RotaryEmbedding(config, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.embedding_blocks: BlockWeight | None = None  # the tied LM head's GGUF blocks
+        self.layers = nn.ModuleList(DecoderLayer(config, parallel) for _ in self.layer_range)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
+        # A tied head on the first stage reads its rows of the embedding table; elsewhere the
+        # last stage holds its head rows (the embedding's, when tied) as a Linear.
+        own_head = last and not (tied and first)
+        self.lm_head = Linear(config.hidden_size, len(self.vocab_rows), bias=False) if own_head else None
+        self.embedding_blocks: BlockWeight | None = None  # the GGUF blocks of a head read from the embedding table
         self.requires_grad_(False)
+
+    @property
+    def kv_config(self) -> ModelConfig:
+        """The config as this rank's KV cache sees it: its layers, its KV heads."""
+        return self.parallel.kv_config(self.config)
 
     def set_ops(self, ops: ModelOps) -> None:
         """Compute every layer (and the LM head) through `ops`; call it after the weights are
@@ -145,9 +180,17 @@ class LlamaModel(nn.Module, UsesOps):
                 module.packed = ops.pack_linear_weight(module.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        hidden, residual = self.embed_tokens(input_ids), None
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions: [T]; `kv_caches` one per layer of this stage. The first stage
+        starts from the embeddings of input_ids, a later one from the previous stage's
+        `intermediate` (hidden, residual). The last stage returns the final hidden states
+        [T, hidden]; the others (hidden, residual), each [T, hidden], for the next stage."""
+        if self.parallel.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
         rotary = self.rotary(positions, hidden.dtype)
         connector = meta.kv_connector
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -156,19 +199,41 @@ class LlamaModel(nn.Module, UsesOps):
             hidden, residual = layer(hidden, residual, rotary, kv_cache, meta)
             if connector is not None:
                 connector.save_kv_layer(index, *kv_cache, meta)
+        if not self.parallel.is_last_stage:
+            return hidden.contiguous(), residual.contiguous()
         return self.norm.add_forward(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, hidden] -> float32 logits [R, vocab]; called only for rows that sample."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[R, hidden] -> float32 logits [R, vocab] on the first TP rank, None on the others
+        (each computes its vocabulary shard, the first gathers them); called on the last stage
+        only, for rows that sample."""
         if self.lm_head is None:
-            return self.ops.logits(hidden, self.embed_tokens.weight, None, self.embedding_blocks).float()
-        return self.ops.logits(hidden, self.lm_head.weight, None, self.lm_head.blocks).float()
+            rows = self.vocab_rows
+            weight, blocks = self.embed_tokens.weight[rows.start : rows.stop], self.embedding_blocks
+        else:
+            weight, blocks = self.lm_head.weight, self.lm_head.blocks
+        shard = self.ops.logits(hidden, weight, None, blocks)
+        if shard.shape[1] < self.vocab_shard_size:  # the last shard: zero columns, cut after the gather
+            shard = F.pad(shard, (0, self.vocab_shard_size - shard.shape[1]))
+        logits = self.parallel.gather_vocab(shard, self.config.vocab_size)
+        return None if logits is None else logits.float()
+
+    def uses_weight(self, name: str) -> bool:
+        """Whether this rank reads checkpoint tensor `name` (Hugging Face naming), so that the
+        loader can skip the others' layers."""
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) in self.layer_range
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens is not None or (self.parallel.is_last_stage and self.config.tie_word_embeddings)
+        return self.parallel.is_last_stage  # the final norm, the LM head
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor], blocks: dict[str, BlockWeight] | None = None) -> None:
-        """Take Hugging Face-named tensors, fusing q/k/v and gate/up; `blocks` holds the GGUF
-        blocks of the weights that came as such, under the same names."""
+        """Take this rank's slices of Hugging Face-named tensors, fusing q/k/v and gate/up;
+        `blocks` holds the GGUF blocks of the weights that came as such, under the same
+        names. Only this stage's layers are read."""
         blocks = blocks or {}
-        dtype = self.embed_tokens.weight.dtype
+        config, parallel = self.config, self.parallel
+        dtype = next(self.parameters()).dtype
         own = dict(self.named_parameters())
 
         def put(name: str, tensor: torch.Tensor) -> None:
@@ -181,29 +246,47 @@ class LlamaModel(nn.Module, UsesOps):
                 raise KeyError(f"weight {name!r} is missing from the checkpoint")
             return weights[name]
 
-        def put_linear(layer: Linear, name: str, parts: list[str]) -> None:
-            put(f"{name}.weight", torch.cat([take(part) for part in parts]))
-            layer.blocks = BlockWeight.stack([blocks.get(part) for part in parts])
+        def put_column_parallel(layer: Linear, name: str, parts: list[tuple[str, range]]) -> None:
+            """Rows `rows` of each part, one part after another."""
+            put(f"{name}.weight", torch.cat([take(part)[rows.start : rows.stop] for part, rows in parts]))
+            layer.blocks = BlockWeight.stack([block_rows(blocks.get(part), rows) for part, rows in parts])
 
-        put("embed_tokens.weight", take("model.embed_tokens.weight"))
-        self.embedding_blocks = blocks.get("model.embed_tokens.weight")
-        put("norm.weight", take("model.norm.weight"))
-        if self.lm_head is not None:
-            put_linear(self.lm_head, "lm_head", ["lm_head.weight"])
-        for i in range(self.config.num_layers):
-            src, dst, layer = f"model.layers.{i}.", f"layers.{i}.", self.layers[i]
-            put_linear(layer.self_attn.qkv_proj, f"{dst}self_attn.qkv_proj",
-                       [f"{src}self_attn.{p}_proj.weight" for p in "qkv"])
-            if self.config.qkv_bias:
-                bias = [take(f"{src}self_attn.{p}_proj.bias") for p in "qkv"]
+        def put_row_parallel(layer: Linear, name: str, part: str, columns: range) -> None:
+            weight = take(part)
+            put(f"{name}.weight", weight[:, columns.start : columns.stop])
+            layer.blocks = block_columns(blocks.get(part), weight.shape[1], columns)
+
+        def rows_of(heads: range) -> range:
+            return range(heads.start * config.head_dim, heads.stop * config.head_dim)
+
+        q_rows = rows_of(parallel.shard_range(config.num_heads))
+        kv_rows = rows_of(parallel.kv_head_range(config.num_kv_heads))
+        mlp_rows = parallel.shard_range(config.intermediate_size)
+        embedding = "model.embed_tokens.weight"
+        if self.embed_tokens is not None:
+            put("embed_tokens.weight", take(embedding))
+        if parallel.is_last_stage:
+            put("norm.weight", take("model.norm.weight"))
+            if self.lm_head is None:
+                self.embedding_blocks = block_rows(blocks.get(embedding), self.vocab_rows)
+            else:
+                head = embedding if config.tie_word_embeddings else "lm_head.weight"
+                put_column_parallel(self.lm_head, "lm_head", [(head, self.vocab_rows)])
+        for local, i in enumerate(self.layer_range):
+            src, dst, layer = f"model.layers.{i}.", f"layers.{local}.", self.layers[local]
+            qkv_rows = list(zip((f"{src}self_attn.{p}_proj" for p in "qkv"), (q_rows, kv_rows, kv_rows)))
+            put_column_parallel(layer.self_attn.qkv_proj, f"{dst}self_attn.qkv_proj",
+                                [(f"{part}.weight", rows) for part, rows in qkv_rows])
+            if config.qkv_bias:
+                bias = [take(f"{part}.bias")[rows.start : rows.stop] for part, rows in qkv_rows]
                 put(f"{dst}self_attn.qkv_proj.bias", torch.cat(bias))
-            put_linear(layer.self_attn.o_proj, f"{dst}self_attn.o_proj", [f"{src}self_attn.o_proj.weight"])
-            put_linear(layer.mlp.gate_up_proj, f"{dst}mlp.gate_up_proj",
-                       [f"{src}mlp.{p}_proj.weight" for p in ("gate", "up")])
-            put_linear(layer.mlp.down_proj, f"{dst}mlp.down_proj", [f"{src}mlp.down_proj.weight"])
+            put_row_parallel(layer.self_attn.o_proj, f"{dst}self_attn.o_proj", f"{src}self_attn.o_proj.weight", q_rows)
+            put_column_parallel(layer.mlp.gate_up_proj, f"{dst}mlp.gate_up_proj",
+                                [(f"{src}mlp.{p}_proj.weight", mlp_rows) for p in ("gate", "up")])
+            put_row_parallel(layer.mlp.down_proj, f"{dst}mlp.down_proj", f"{src}mlp.down_proj.weight", mlp_rows)
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 put(f"{dst}{norm}.weight", take(f"{src}{norm}.weight"))
-            if self.config.qk_norm:
+            if config.qk_norm:
                 for norm in ("q_norm", "k_norm"):
                     put(f"{dst}self_attn.{norm}.weight", take(f"{src}self_attn.{norm}.weight"))
         assert not own, f"weights not loaded: {sorted(own)}"

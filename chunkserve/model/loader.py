@@ -5,6 +5,9 @@ Q8_0 blocks also keep those blocks, which the C++ linear reads at decode batch s
 llama.cpp's converter permutes the rows of Llama's Q and K weights (to interleave the rotary
 halves); we undo it, on the floats and on the blocks alike, so one model code serves both
 formats.
+
+Split over ranks, each rank builds only its part (`LlamaModel.uses_weight`): the other
+stages' tensors are not read (nor dequantized), and its shards are sliced from the rest.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import functools
 import glob
 import json
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -21,6 +25,7 @@ from chunkserve.config.model import ModelSource
 from chunkserve.errors import ModelLoadError
 from chunkserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from chunkserve.model.llama import LlamaModel
+from chunkserve.model.parallel import ParallelContext
 from chunkserve.ops.model_ops import BLOCK_TYPES, BlockWeight
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # EngineArgs.dtype -> torch
@@ -41,26 +46,29 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     return ModelConfig.from_hf_config(_gguf_hf_config(gguf_reader(source.path)))
 
 
-def load_model(source: ModelSource, config: ModelConfig, dtype: str, max_positions: int) -> LlamaModel:
-    """Build the model with empty weights, then fill them from the checkpoint."""
+def load_model(source: ModelSource, config: ModelConfig, dtype: str, max_positions: int,
+               parallel: ParallelContext | None = None) -> LlamaModel:
+    """Build this rank's part of the model (all of it unless `parallel` splits it) with empty
+    weights, then fill them from the checkpoint, reading only the tensors it uses."""
     with torch.device("meta"):
-        model = LlamaModel(config, max_positions)
+        model = LlamaModel(config, max_positions, parallel)
     model = model.to_empty(device="cpu").to(TORCH_DTYPES[dtype])
     if source.kind == "hf":
-        weights, blocks = _read_hf_weights(source.path), {}
+        weights, blocks = _read_hf_weights(source.path, model.uses_weight), {}
     else:
-        weights, blocks = _read_gguf_weights(source.path, config)
+        weights, blocks = _read_gguf_weights(source.path, config, model.uses_weight)
     with torch.no_grad():
         model.load_hf_weights(weights, blocks)
     return model.eval()
 
 
-def _read_hf_weights(folder: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _read_hf_weights(folder: str, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
 
     weights: dict[str, torch.Tensor] = {}
     for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-        weights.update(load_file(path))
+        with safe_open(path, framework="pt") as file:
+            weights.update((name, file.get_tensor(name)) for name in file.keys() if wanted(name))
     return weights
 
 
@@ -131,14 +139,18 @@ def _gguf_hf_config(reader):
     )
 
 
-def _read_gguf_weights(path: str, config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, BlockWeight]]:
-    """The float weights under Hugging Face names, and the blocks of those stored in BLOCK_TYPES."""
+def _read_gguf_weights(path: str, config: ModelConfig, wanted: Callable[[str], bool]
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, BlockWeight]]:
+    """The float weights under Hugging Face names, and the blocks of those stored in
+    BLOCK_TYPES; only the `wanted` ones are dequantized."""
     import gguf
 
     reader = gguf_reader(path)
     weights, blocks = {}, {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
+        if not wanted(name):
+            continue
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
 
         def rows_in_hf_order(array: np.ndarray) -> np.ndarray:  # a copy: GGUF tensors are read-only maps

@@ -3,7 +3,13 @@
 
 A step changes the requests' state (their token histories, their generators) only once it has
 succeeded for every row: when it raises, the engine core can void it and run it again without
-the requests at fault (`RequestFailedError` names them where the runner can tell)."""
+the requests at fault (`RequestFailedError` names them where the runner can tell).
+
+With several ranks (model/parallel.py) every rank runs every step on its shard: a pipeline stage
+after the first starts from the previous stage's (hidden, residual), a stage before the last
+sends its own on, and only the last stage's first tensor-parallel rank samples. The ranks then
+take every request's tokens from the steps (`tokens_from_steps`: ScheduledRequest.new_token_ids)
+rather than from their own sampling, so they all hold the same histories."""
 
 from __future__ import annotations
 
@@ -24,12 +30,18 @@ from chunkserve.worker.sampler import InvalidRowsError, SamplingState, gather_lo
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int, seed: int,
-                 op_backend: str = "auto", kv_connector: KVConnectorWorker | None = None) -> None:
+                 op_backend: str = "auto", kv_connector: KVConnectorWorker | None = None,
+                 kv_config: ModelConfig | None = None, tokens_from_steps: bool = False) -> None:
+        """`kv_config`: the shape of this rank's share of the KV (its layers and KV heads; default
+        `config`, all of them)."""
         self.model = model
+        self.parallel = model.parallel
         self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size
         self.block_size = block_size
-        self.dtype = model.embed_tokens.weight.dtype
-        self.kv_pool = allocate_kv_pool(config, self.dtype, num_blocks, block_size)
+        self.tokens_from_steps = tokens_from_steps
+        self.dtype = next(model.parameters()).dtype
+        self.kv_pool = allocate_kv_pool(kv_config or config, self.dtype, num_blocks, block_size)
         self.kv_caches = layer_caches(self.kv_pool)
         self.generator = torch.Generator().manual_seed(seed)
         self.kv_connector = kv_connector or NoOpConnector()
@@ -62,6 +74,10 @@ class ModelRunner:
                 invalid[new.request_id] = problem
         for scheduled in output.scheduled:
             batch.update_blocks(scheduled)
+            if scheduled.new_token_ids and scheduled.request_id in batch:
+                token_ids = batch.sampling[scheduled.request_id].token_ids
+                del token_ids[scheduled.token_ids_from:]
+                token_ids.extend(scheduled.new_token_ids)
         if invalid:  # raised once the diff is applied, so the batch stays in step with the scheduler
             raise RequestFailedError("; ".join(invalid.values()), list(invalid))
         result = ModelRunnerOutput(sampled_token_ids={})
@@ -85,10 +101,20 @@ class ModelRunner:
         tables = {s.request_id: persistent.blocks(s.request_id) for s in scheduled}
         batch = build_forward_batch(scheduled, token_ids, tables, self.block_size, self.attention_kernels)
         batch.attn.kv_connector = self._layer_connector
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        parallel = self.parallel
+        intermediate = None
+        if not parallel.is_first_stage:
+            rows = (len(batch.input_ids), self.hidden_size)
+            intermediate = tuple(parallel.recv_from_prev_stage([rows, rows], self.dtype))
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, intermediate)
+        if not parallel.is_last_stage:
+            parallel.send_to_next_stage(list(hidden))
+            return
         if not batch.sample_request_ids:
             return
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if logits is None:  # a tensor-parallel rank that only lent its vocabulary shard
+            return
         states = [sampling[request_id] for request_id in batch.sample_request_ids]
         wants_logprobs = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         raw_logprobs = logits[wants_logprobs].log_softmax(dim=-1) if wants_logprobs else None
@@ -103,8 +129,9 @@ class ModelRunner:
                 raw_logprobs, [tokens[i] for i in wants_logprobs], [states[i].params.logprobs for i in wants_logprobs]
             )
             result.logprobs = {batch.sample_request_ids[i]: [r] for i, r in zip(wants_logprobs, records)}
-        for state, token in zip(states, tokens):  # the step succeeded: only now does any state change
-            state.token_ids.append(token)
+        if not self.tokens_from_steps:
+            for state, token in zip(states, tokens):  # the step succeeded: only now does any state change
+                state.token_ids.append(token)
         result.sampled_token_ids = {request_id: [token] for request_id, token in zip(batch.sample_request_ids, tokens)}
 
     def _new_state(self, new: NewRequestData) -> tuple[SamplingState, str | None]:

@@ -1,24 +1,34 @@
-"""A worker: one model replica and its KV cache. It owns what touches tensors (loading the
-model, sizing and allocating the KV pool, choosing the ops) and runs the steps the executor
-hands it. With one process there is one worker; tensor- and pipeline-parallel executors
-will run one per rank, each answering the same calls."""
+"""A worker: one model replica, or one rank's shard of it, and its KV cache. It owns what
+touches tensors (loading the model, sizing and allocating the KV pool, choosing the ops) and
+runs the steps the executor hands it. With one process there is one worker; the
+multiprocess executor runs one per rank, each answering the same calls, joined by
+torch.distributed (gloo)."""
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
+import torch.distributed as dist
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import ModelSource, resolve_model
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorWorker
-from chunkserve.core.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from chunkserve.core.sched.output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    RankStepStats,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from chunkserve.errors import InvalidRequestError
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.fingerprint import model_fingerprint
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import TORCH_DTYPES, load_model, load_model_config
+from chunkserve.model.parallel import ParallelContext
 from chunkserve.sampling_params import SamplingParams
 from chunkserve.worker.disagg.decode import DecodeConnectorWorker
 from chunkserve.worker.disagg.prefill import PrefillConnectorWorker
@@ -27,26 +37,52 @@ from chunkserve.worker.kv_cache import num_blocks_for_memory
 from chunkserve.worker.model_runner import ModelRunner
 
 
+# how long a collective may wait for a peer before it fails (a peer that died closes its sockets first)
+DIST_TIMEOUT = datetime.timedelta(minutes=5)
+
+
 class Worker:
-    def __init__(self, config: EngineArgs, kv_connector: KVConnectorWorker | None = None) -> None:
+    def __init__(self, config: EngineArgs, kv_connector: KVConnectorWorker | None = None, rank: int = 0) -> None:
+        """`rank`: this worker's rank among tensor_parallel_size x pipeline_parallel_size; with
+        more than one, it joins the others' torch.distributed group here (every rank must)."""
         self.config = config
+        self.rank = rank
         self.source: ModelSource = resolve_model(config.model)
         self.model_config: ModelConfig = load_model_config(self.source)
+        self.parallel_config = config.parallel_config()
+        self.parallel_config.check_model(self.model_config)
+        self.parallel = self._join_world() if self.parallel_config.world_size > 1 else ParallelContext.single()
         self.kv_connector = kv_connector
         self.model: LlamaModel | None = None
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
 
+    def _join_world(self) -> ParallelContext:
+        parallel = self.parallel_config
+        store = dist.TCPStore(parallel.master_addr, parallel.master_port, parallel.world_size, is_master=False,
+                              timeout=DIST_TIMEOUT)
+        dist.init_process_group("gloo", store=dist.PrefixStore("chunkserve", store), rank=self.rank,
+                                world_size=parallel.world_size, timeout=DIST_TIMEOUT)
+        pp_rank = parallel.pp_rank(self.rank)
+        layers = parallel.stage_layers(self.model_config.num_layers, pp_rank)
+        return ParallelContext.from_world(self.rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                                          layers)
+
+    @property
+    def kv_config(self) -> ModelConfig:
+        """The shape of this rank's KV: its stage's layers and its KV heads."""
+        return self.parallel.kv_config(self.model_config)
+
     def determine_num_kv_blocks(self) -> int:
-        """KV blocks that fit `kv_cache_memory_gb` (or exactly `num_kv_blocks`)."""
+        """KV blocks that fit `kv_cache_memory_gb` (per rank: its share of the KV), or exactly `num_kv_blocks`."""
         config = self.config
         if config.num_kv_blocks:
             return config.num_kv_blocks
-        return num_blocks_for_memory(self.model_config, TORCH_DTYPES[config.dtype], config.kv_cache_memory_gb,
+        return num_blocks_for_memory(self.kv_config, TORCH_DTYPES[config.dtype], config.kv_cache_memory_gb,
                                      config.block_size)
 
     def load_model(self, max_model_len: int) -> None:
-        self.model = load_model(self.source, self.model_config, self.config.dtype, max_model_len)
+        self.model = load_model(self.source, self.model_config, self.config.dtype, max_model_len, self.parallel)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV pool and the runner over it (after `load_model`); with
@@ -57,7 +93,8 @@ class Worker:
         if self.kv_connector is None:
             self.kv_connector = self._default_connector()
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size, config.seed,
-                                  config.op_backend, self.kv_connector)
+                                  config.op_backend, self.kv_connector, self.kv_config,
+                                  tokens_from_steps=config.executor_backend == "mp")
 
     def _default_connector(self) -> KVConnectorWorker | None:
         """The worker's side of the connector the flags ask for (the engine core builds its other side)."""
@@ -71,12 +108,24 @@ class Worker:
         return None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(scheduler_output)
+        if self.parallel_config.world_size == 1:
+            return self.runner.execute(scheduler_output)
+        start = time.perf_counter()
+        try:
+            output = self.runner.execute(scheduler_output)
+        finally:
+            comm = self.parallel.stats.take()
+        output.rank_stats = [RankStepStats(self.rank, time.perf_counter() - start, comm.count, comm.bytes,
+                                           comm.seconds)]
+        return output
 
     def shutdown(self) -> None:
-        """Stop the KV connector's threads (the engine settled its work first)."""
+        """Stop the KV connector's threads (the engine settled its work first) and leave the
+        process group."""
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def kv_fingerprint(self) -> ModelFingerprint:
         """What KV this worker writes: its model's weights, tokenizer and KV layout."""

@@ -48,6 +48,10 @@ class ScheduledRequest:
     sample: bool  # True when this step completes all known tokens, so its last row(s) are sampled
     is_decode: bool  # the request's prompt is done: its last sampled token (and any drafts)
     draft_token_ids: list[int] = field(default_factory=list)  # drafts after the last token, to verify
+    # with SchedulerConfig.send_token_ids: the request's tokens from position `token_ids_from` on that the
+    # workers may lack (its latest sampled tokens); a worker that has them already overwrites them
+    new_token_ids: list[int] = field(default_factory=list)
+    token_ids_from: int = 0
 
     @property
     def num_sampled_rows(self) -> int:
@@ -121,6 +125,20 @@ class ModelRunnerOutput:
     # blocks the connector failed to load (vLLM's name): their requests recompute from the first one
     invalid_block_ids: set[int] = field(default_factory=set)
     kv_connector_output: object = None  # the connector's worker side to its scheduler side (its own type)
+    rank_stats: list[RankStepStats] = field(default_factory=list)  # several ranks: each one's compute and comms
+
+
+@dataclass(frozen=True)
+class RankStepStats:
+    """One rank's share of a step: its compute seconds (the step on that rank, its collectives
+    included) and the collectives it ran (tensor-parallel all-reduces, the logits gather,
+    pipeline sends and receives): how many, their bytes, their seconds."""
+
+    rank: int
+    compute_s: float
+    comm_ops: int = 0
+    comm_bytes: int = 0
+    comm_s: float = 0.0
 
 
 class EngineCoreOutput(NamedTuple):

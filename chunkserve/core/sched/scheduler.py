@@ -28,6 +28,12 @@ preempted over and over.
 After the step, `update_from_output` advances each request by what was computed, rolls back
 the drafts the model rejected, appends the accepted tokens and applies the token-level stops,
 and reports per request only what is new (`EngineCoreOutput`).
+
+With pipeline parallelism (`max_steps_in_flight` > 1) the next steps are scheduled before the
+last one's output is back: a request's computed count advances when it is scheduled (and goes
+back if its step is voided; a preemption resets it), a request whose step samples is not
+scheduled again until its token is back, and a prompt's next chunk may ride the next step,
+since every stage runs the steps in order and finds the chunk before it in its KV.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from chunkserve.core.sched.output import (
     KVTransferStats,
     ModelRunnerOutput,
     NewRequestData,
+    ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
 )
@@ -83,6 +90,10 @@ class Scheduler:
         self._remote_kv_tokens: dict[str, int] = {}  # computed tokens once the connector's load lands
         # finished requests' blocks, held until the connector has sent them (oldest first per id)
         self._sending: dict[str, deque[list[int]]] = {}
+        self._tokens_sent: dict[str, int] = {}  # with send_token_ids: tokens of each request the workers have
+        # steps in flight (pipelined): each one's requests and their preemption counts when it was scheduled
+        self._in_flight: dict[int, dict[str, int]] = {}
+        self._awaiting_token: set[str] = set()  # pipelined: their sampling step is in flight
         # while the engine searches for the request that makes steps fail, only these run (the others
         # keep their blocks and wait); None: every request may run
         self.only: set[str] | None = None
@@ -220,6 +231,8 @@ class Scheduler:
                         if s.request_id not in self._known_to_worker or s.request_id in self._resend_as_new]
         self._known_to_worker.update(r.request_id for r in new_requests)
         self._resend_as_new.difference_update(r.request_id for r in new_requests)
+        if self.config.send_token_ids:
+            self._attach_new_tokens(step.scheduled, {r.request_id for r in new_requests})
         self.prefix_cache_queries += step.prefix_cache_queries
         self.prefix_cache_hits += step.prefix_cache_hits
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
@@ -234,7 +247,29 @@ class Scheduler:
             prefill_wait_guard=step.past_slo,
         )
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        if self.pipelined and output.scheduled:
+            self._in_flight[id(output)] = {s.request_id: self.requests[s.request_id].num_preemptions
+                                           for s in output.scheduled}
         return output
+
+    @property
+    def pipelined(self) -> bool:
+        return self.config.max_steps_in_flight > 1
+
+    def _attach_new_tokens(self, scheduled: list[ScheduledRequest], new_ids: set[str]) -> None:
+        """Each scheduled request's tokens the workers have not been sent yet (its latest sampled ones)."""
+        for s in scheduled:
+            request = self.requests[s.request_id]
+            sent = self._tokens_sent.get(s.request_id)
+            if s.request_id not in new_ids and sent is not None and sent < request.num_tokens:
+                s.token_ids_from = sent
+                s.new_token_ids = request.output_token_ids[sent - request.num_prompt_tokens:]
+            self._tokens_sent[s.request_id] = request.num_tokens
+
+    def _still_scheduled_as(self, output: SchedulerOutput, request: Request) -> bool:
+        """Pipelined: whether `request` is as `output` scheduled it (not preempted since)."""
+        counts = self._in_flight.get(id(output))
+        return counts is not None and counts.get(request.request_id) == request.num_preemptions
 
     def void_step(self, output: SchedulerOutput) -> None:
         """The step failed: nothing it scheduled was computed (the counters were never
@@ -244,6 +279,13 @@ class Scheduler:
         self._resend_as_new.update(new.request_id for new in output.new_requests)
         for scheduled in output.scheduled:
             self._blocks_sent.pop(scheduled.request_id, None)
+            if scheduled.new_token_ids and scheduled.request_id in self._tokens_sent:
+                self._tokens_sent[scheduled.request_id] = scheduled.token_ids_from
+            request = self.requests.get(scheduled.request_id)
+            if request is not None and self._still_scheduled_as(output, request):  # its count went ahead: back
+                request.num_computed_tokens -= scheduled.num_scheduled_tokens
+                self._awaiting_token.discard(request.request_id)
+        self._in_flight.pop(id(output), None)
         self._finished_since_last_step |= output.finished_request_ids
         self.connector.step_failed(output.kv_connector_metadata)
 
@@ -255,13 +297,19 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.is_finished:
                 continue
+            if self.pipelined:
+                if not self._still_scheduled_as(output, request):  # preempted since: its result is void
+                    continue
+                self._awaiting_token.discard(request.request_id)
             accepted = runner_output.sampled_token_ids.get(scheduled.request_id, [])
             rejected = len(scheduled.draft_token_ids) - (len(accepted) - 1) if accepted else 0
             assert rejected >= 0, f"{scheduled.request_id}: more tokens accepted than drafted"
-            request.num_computed_tokens += scheduled.num_scheduled_tokens - rejected
+            computed = scheduled.num_computed_tokens + scheduled.num_scheduled_tokens - rejected
+            if not self.pipelined:  # (pipelined, it went ahead when scheduled)
+                request.num_computed_tokens = computed
             request.spec_token_ids = []
             if not accepted:
-                self.kv.cache_full_blocks(request, request.num_computed_tokens)
+                self.kv.cache_full_blocks(request, computed)
                 continue
             status = None
             for count, token_id in enumerate(accepted, 1):
@@ -270,7 +318,7 @@ class Scheduler:
                 if status is not None:
                     break
             # A stop inside an accepted run drops the tokens after it; none of them is computed.
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            request.num_computed_tokens = min(computed, request.num_tokens - 1)
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
             if status is not None:
                 self.running.remove(request)
@@ -279,6 +327,7 @@ class Scheduler:
                 request.spec_token_ids = list(runner_output.draft_token_ids.get(request.request_id, ()))
             logprobs = runner_output.logprobs.get(request.request_id)
             outputs.append(self.output_of(request, accepted[:count], None if logprobs is None else logprobs[:count]))
+        self._in_flight.pop(id(output), None)
         return outputs
 
     @staticmethod
@@ -424,6 +473,8 @@ class Scheduler:
         return request.spec_token_ids[: max(room, 0)]
 
     def _may_run(self, request: Request) -> bool:
+        if request.request_id in self._awaiting_token:
+            return False
         return self.only is None or request.request_id in self.only
 
     def _start_running(self, request: Request) -> None:
@@ -440,6 +491,9 @@ class Scheduler:
         while self.kv.allocate_slots(request.request_id, total) is None:
             # requests kept out of steps go first: they would not run anyway
             candidates = [r for r in self.running if not step.is_taken(r.request_id)]
+            if self._in_flight:  # pipelined: a request with no step in flight loses the least
+                busy = {request_id for counts in self._in_flight.values() for request_id in counts}
+                candidates = [r for r in candidates if r.request_id not in busy] or candidates
             candidates = [r for r in candidates if not self._may_run(r)] or candidates
             victim = pick_victim(candidates, self.config.scheduling_policy, self._admission_order)
             self._preempt(victim, step)
@@ -458,6 +512,10 @@ class Scheduler:
         sent = self._blocks_sent.get(request_id)
         self._blocks_sent[request_id] = len(table)
         step.add(request, chunk.num_tokens, table[sent or 0:], sent is None, list(drafts))
+        if self.pipelined:
+            request.num_computed_tokens += chunk.num_tokens
+            if step.scheduled[-1].sample:
+                self._awaiting_token.add(request_id)
 
     def _preempt(self, request: Request, step: StepBuilder) -> None:
         self.running.remove(request)
@@ -465,6 +523,7 @@ class Scheduler:
         self._blocks_sent.pop(request.request_id, None)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        self._awaiting_token.discard(request.request_id)
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.chunking.track(request.request_id, step.now)
@@ -483,6 +542,8 @@ class Scheduler:
         self._admission_order.pop(request_id, None)
         self._blocks_sent.pop(request_id, None)
         self._remote_kv_tokens.pop(request_id, None)
+        self._tokens_sent.pop(request_id, None)
+        self._awaiting_token.discard(request_id)
         self.chunking.forget(request_id)
         del self.requests[request_id]
         self._resend_as_new.discard(request_id)

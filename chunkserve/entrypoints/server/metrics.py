@@ -53,6 +53,13 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens").labels(**labels)
         self.request_success = counter("request_success", "Finished requests by finish reason", ("finished_reason",))
         self.engine_steps = counter("engine_steps", "Engine steps by forward mode", ("forward_mode",))
+        # tensor/pipeline parallel: each rank's collectives (all-reduces, logits gather, stage sends/receives)
+        self.comm_ops = counter("comm_ops", "Collective operations run by each worker rank", ("rank",))
+        self.comm_bytes = counter("comm_bytes", "Payload bytes of each worker rank's collective operations", ("rank",))
+        self.comm_seconds = counter("comm_seconds", "Seconds each worker rank spent in collective operations",
+                                    ("rank",))
+        self.rank_compute_seconds = counter(
+            "rank_step_seconds", "Seconds each worker rank spent on steps (its collectives included)", ("rank",))
         for reason in FINISH_REASONS:
             self.request_success.labels(**labels, finished_reason=reason)
         for mode in FORWARD_MODES:
@@ -172,6 +179,12 @@ class EngineMetrics:
 
     def _observe_step(self, record: StepRecord) -> None:
         self.engine_steps.labels(**self._labels, forward_mode=record.forward_mode.value).inc()
+        for rank in record.ranks:
+            labels = {**self._labels, "rank": str(rank["rank"])}
+            self.comm_ops.labels(**labels).inc(rank["comm_ops"])
+            self.comm_bytes.labels(**labels).inc(rank["comm_bytes"])
+            self.comm_seconds.labels(**labels).inc(rank["comm_s"])
+            self.rank_compute_seconds.labels(**labels).inc(rank["compute_s"])
         self.step_duration.observe(record.duration_s)
         if record.num_prefill_tokens:
             self.step_prefill_tokens.observe(record.num_prefill_tokens)

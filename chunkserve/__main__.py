@@ -1,0 +1,5 @@
+"""`python -m chunkserve ...` is the `chunkserve` command (what `torchrun -m chunkserve serve ...` runs)."""
+
+from chunkserve.entrypoints.cli import main
+
+main()

@@ -1,0 +1,125 @@
+"""A worker rank's process: connect to the engine's control socket, take the engine's
+configuration, build the rank's `Worker` (joining torch.distributed), then answer calls and
+steps until told to stop. Started by the multiprocess executor on node 0, and by
+`chunkserve serve --headless` on the other nodes:
+
+    python -m chunkserve.executor.rank_process --rank R --control tcp://HOST:PORT
+
+It exits when the engine's connection drops (the engine is gone) and, with --die-with-parent,
+when the process that started it dies (Linux: PR_SET_PDEATHSIG), so no rank outlives its engine."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+logger = logging.getLogger("chunkserve.rank")
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the engine's connection drop still ends this process
+        return
+    if os.getppid() == 1:  # the parent died before prctl
+        sys.exit(1)
+
+
+def serve_rank(rank: int, control: str) -> int:
+    context = zmq.Context(io_threads=1)
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    socket.connect(control)
+    socket.send(pickle.dumps(("hello", rank)))
+    worker = None
+    connected = False
+    try:
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if monitor in ready:
+                event = recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_CONNECTED:
+                    connected = True
+                elif event["event"] == zmq.EVENT_DISCONNECTED and connected:
+                    logger.error("rank %d: the engine's connection dropped; exiting", rank)
+                    return 1
+            if socket not in ready:
+                continue
+            message = pickle.loads(socket.recv())
+            if worker is None:  # the first message is the engine's configuration
+                worker, error = _build_worker(message, rank)
+                socket.send(pickle.dumps(("ready", 0, rank, None, error)))
+                if error is not None:
+                    return 1
+                continue
+            kind, message_id = message[:2]
+            if kind == "shutdown":
+                worker.shutdown()
+                return 0
+            value, error = None, None
+            try:
+                if kind == "step":
+                    value = worker.execute_model(message[2])
+                else:
+                    _, _, method, args, kwargs = message
+                    value = getattr(worker, method)(*args, **kwargs)
+            except Exception as caught:
+                error = _picklable(caught)
+            socket.send(pickle.dumps((kind, message_id, rank, value, error), protocol=pickle.HIGHEST_PROTOCOL))
+    finally:
+        socket.disable_monitor()
+        monitor.close(linger=0)
+        socket.close()
+        context.term()
+
+
+def _build_worker(config, rank: int):
+    from chunkserve.worker.worker import Worker
+
+    try:
+        return Worker(config, rank=rank), None
+    except Exception as error:
+        logger.exception("rank %d could not start", rank)
+        return None, _picklable(error)
+
+
+def _picklable(error: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(repr(error))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--control", required=True, help="the engine's control socket, tcp://HOST:PORT")
+    parser.add_argument("--die-with-parent", action="store_true")
+    args = parser.parse_args(argv)
+    if args.die_with_parent:
+        _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the engine decides
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{args.rank} %(name)s: %(message)s")
+    sys.exit(serve_rank(args.rank, args.control))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Tensor and pipeline parallelism end to end through the offline API: real worker processes
+(one per rank) joined by torch.distributed (gloo). TP 2 on tiny random Llama models against
+TP 1 and transformers (logprobs, fp32 tolerance) under chunk budgets, mixed batches, a
+prefix-cache hit and preemption; PP 2 on the default SmolLM2 model against TP 1 with the
+micro-batches' order read from the step records; what vLLM refuses, refused the same way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chunkserve import LLM, InvalidRequestError, SamplingParams
+from tests.conftest import tiny_hf_config
+
+TOL = 1e-4
+HF_TOL = 2e-3  # transformers' attention sums in another order over the whole sequence
+
+
+def tiny_llama(folder, tokenizer, num_kv_heads: int) -> str:
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config("llama")
+    config.num_key_value_heads = num_kv_heads
+    config.vocab_size = len(tokenizer)
+    config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(num_kv_heads)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module", params=[2, 1], ids=["2-kv-heads", "1-kv-head-replicated"])
+def tiny_dir(request, tmp_path_factory, default_tokenizer):
+    return tiny_llama(tmp_path_factory.mktemp(f"tiny-kv{request.param}"), default_tokenizer, request.param)
+
+
+STORY = ("The lighthouse keeper climbed the stairs each evening, counting steps and listening to the gulls "
+         "over the grey water while the ships went by. ") * 20
+
+
+def prompts_of(tokenizer) -> list[list[int]]:
+    """Prompts of very different lengths (1 to 450 tokens), sent together: more than one step of
+    the largest budget, so decodes and prompt chunks share steps (mixed)."""
+    ids = tokenizer.encode(STORY)
+    return [ids[:1], ids[3:20], ids[:150], ids[10:75], ids[:64] + ids[100:110], ids[200:650]]
+
+
+def prefix_hit_prompt(tokenizer) -> list[int]:
+    """Sent after prompts_of's: its first 64 tokens are cached by then."""
+    ids = tokenizer.encode(STORY)
+    return ids[:64] + ids[120:140]
+
+
+def run(llm: LLM, prompts, max_tokens: int = 12):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5, ignore_eos=True)
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def assert_same(got, expected, tol: float):
+    for a, b in zip(got, expected):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=tol)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert [lp for _, lp in x.top] == pytest.approx([lp for _, lp in y.top], abs=tol)
+
+
+def hf_logprobs(model_dir: str, prompt: list[int], tokens: list[int]) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    rows = logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)].log_softmax(-1)
+    return [rows[i, t].item() for i, t in enumerate(tokens)]
+
+
+def assert_pool_free(llm: LLM) -> None:
+    kv = llm.engine.engine_core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
+
+
+@pytest.mark.parametrize("budget", [16, 64, 512])
+def test_tp2_equals_tp1_and_transformers(tiny_dir, default_tokenizer, budget):
+    prompts = prompts_of(default_tokenizer)
+    common = dict(max_num_batched_tokens=budget, max_num_seqs=16, num_kv_blocks=256, block_size=4)
+    tp1 = LLM(tiny_dir, **common)
+    expected = run(tp1, prompts) + run(tp1, [prefix_hit_prompt(default_tokenizer)])
+    tp = LLM(tiny_dir, tensor_parallel_size=2, **common)
+    try:
+        got = run(tp, prompts) + run(tp, [prefix_hit_prompt(default_tokenizer)])
+        assert_same(got, expected, TOL)
+        assert got[-1].num_cached_tokens >= 64, "the shared prefix was not found in the prefix cache"
+        records = tp.engine.step_records
+        assert any(r.forward_mode.value == "MIXED" for r in records), "no mixed step"
+        ranks = {r["rank"] for record in records for r in record.ranks}
+        assert ranks == {0, 1} and all(r["comm_ops"] > 0 and r["comm_bytes"] > 0 for rec in records
+                                       for r in rec.ranks)
+        for prompt, output in zip(prompts, got):
+            tokens = output.outputs[0].token_ids
+            assert [lp.logprob for lp in output.outputs[0].logprobs] == pytest.approx(
+                hf_logprobs(tiny_dir, prompt, tokens), abs=HF_TOL)
+        assert_pool_free(tp)
+    finally:
+        tp.engine.shutdown()
+
+
+def test_tp2_under_forced_preemption_equals_tp1(tiny_dir, default_tokenizer):
+    prompts = prompts_of(default_tokenizer)[:5]  # 307 prompt tokens + 200 outputs in a pool of 224 tokens
+    common = dict(max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=56, block_size=4,
+                  enable_prefix_caching=False)
+    expected = run(LLM(tiny_dir, **common), prompts, max_tokens=40)
+    tp = LLM(tiny_dir, tensor_parallel_size=2, **common)
+    try:
+        got = run(tp, prompts, max_tokens=40)
+        assert sum(r.num_preemptions for r in tp.engine.step_records) > 0, "the small pool was meant to preempt"
+        assert_same(got, expected, TOL)
+        assert_pool_free(tp)
+    finally:
+        tp.engine.shutdown()
+
+
+def test_pp2_greedy_tokens_equal_tp1_with_chunks_in_consecutive_micro_batches(default_llm):
+    tokenizer = default_llm.get_tokenizer()
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+                 "Why is the sky blue?", "Name a famous painter.", "What is 12 times 12?",
+                 "Describe a cat in one sentence.", "Give me a synonym for happy."]
+    prompts = [default_llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    prompts.append(tokenizer.encode("Once upon a time, in a land far away, " * 40))  # a long prompt: many chunks
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params, use_tqdm=False)]
+    pp = LLM(pipeline_parallel_size=2, max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32)
+    try:
+        got = [o.outputs[0].token_ids for o in pp.generate(prompts, params, use_tqdm=False)]
+        assert got == expected
+        records = list(pp.engine.step_records)
+        assert all(r.request_ids for r in records)
+        for index, record in enumerate(records):  # a request whose step samples is in no other step in flight
+            end = record.start_time + record.duration_s
+            for other in records[index + 1:]:
+                if other.start_time >= end:
+                    break
+                assert not set(record.sampled_request_ids) & set(other.request_ids), (
+                    f"step {other.step_id} computed a request still waiting for its token from step {record.step_id}")
+        overlapping = sum(1 for a, b in zip(records, records[1:]) if b.start_time < a.start_time + a.duration_s)
+        assert overlapping > len(records) // 2, "the pipeline never held two steps at once"
+        long_id = pp_request_id_of_longest(records)
+        steps = [r.step_id for r in records if long_id in r.request_ids and long_id not in r.sampled_request_ids]
+        assert len(steps) >= 5 and steps == list(range(steps[0], steps[0] + len(steps))), steps
+        assert {r["rank"] for record in records for r in record.ranks} == {0, 1}
+        assert_pool_free(pp)
+    finally:
+        pp.engine.shutdown()
+
+
+def pp_request_id_of_longest(records) -> str:
+    """The request computed in the most steps without sampling: the long prompt's chunks."""
+    counts: dict[str, int] = {}
+    for record in records:
+        for request_id in set(record.request_ids) - set(record.sampled_request_ids):
+            counts[request_id] = counts.get(request_id, 0) + 1
+    return max(counts, key=counts.get)
+
+
+def test_tp2_on_smollm2_is_refused_at_start_up_with_vllms_message():
+    with pytest.raises(InvalidRequestError, match=r"Total number of attention heads \(9\) must be divisible by "
+                                                  r"tensor parallel size \(2\)"):
+        LLM(tensor_parallel_size=2)
+
+
+def test_uni_executor_refuses_several_ranks():
+    with pytest.raises(InvalidRequestError, match="distributed-executor-backend mp"):
+        LLM(tensor_parallel_size=3, distributed_executor_backend="uni")
+
+
+@pytest.mark.slow
+def test_tp3_on_smollm2_equals_tp1(default_llm):
+    prompts = [default_llm.apply_chat_template([{"role": "user", "content": q}])
+               for q in ["What is the capital of France?", "Write a haiku about the sea."]]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params, use_tqdm=False)]
+    tp = LLM(tensor_parallel_size=3, max_num_batched_tokens=64, kv_cache_memory_gb=0.25)
+    try:
+        assert [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        tp.engine.shutdown()
