@@ -1,0 +1,193 @@
+"""Tensor parallelism across processes and "nodes" through the real server: two
+`chunkserve serve` commands on loopback (node 0 serving, node 1 --headless), the same through
+torchrun, a worker rank killed mid-stream, and a clean shutdown that leaves no process and no
+shared-memory segment. The model is a tiny random Llama (4 heads, 2 KV heads): TP 2 splits it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from chunkserve import LLM, SamplingParams
+from tests.executor.test_parallel import tiny_llama
+from tests.server_process import API_KEY, Server, free_port, start_server, wait_until_up
+
+PROMPTS = ["The lighthouse keeper climbed", "Once upon a time", "Ships went by over the grey water and"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, default_tokenizer):
+    return tiny_llama(tmp_path_factory.mktemp("tiny-tp"), default_tokenizer, 2)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_dir):
+    """TP 1's greedy texts, offline."""
+    llm = LLM(tiny_dir, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def master_port() -> int:
+    """A free port whose next one (the control socket) is free too."""
+    while True:
+        port = free_port()
+        try:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+
+
+def completions(server: Server) -> list[str]:
+    with server.client() as http:
+        body = {"prompt": PROMPTS, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+        response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return [choice["text"] for choice in sorted(response.json()["choices"], key=lambda c: c["index"])]
+
+
+def rank_pids(port: int) -> list[int]:
+    """The worker rank processes whose control socket is on `port` + 1."""
+    found = subprocess.run(["pgrep", "-f", f"rank_process --rank [0-9]+ --control tcp://127.0.0.1:{port + 1}"],
+                           capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found]
+
+
+def shm_segments() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if os.path.exists(f"/proc/{pid}") and not _zombie(pid)]
+        time.sleep(0.1)
+    return alive
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].startswith("Z")
+    except OSError:
+        return True
+
+
+def stop(server: Server, timeout_s: float = 60.0) -> int:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+    return server.process.wait(timeout_s)
+
+
+def test_two_nodes_on_loopback_equal_tp1_and_shut_down_clean(tmp_path_factory, tiny_dir, expected):
+    port = master_port()
+    before = shm_segments()
+    nodes = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    head = start_server(tmp_path_factory, "--model", tiny_dir, "--num-kv-blocks", "64", "--node-rank", "0", *nodes,
+                        name="node0", wait=False)
+    log = tmp_path_factory.mktemp("node1") / "node1.log"
+    with open(log, "w") as out:
+        worker_node = subprocess.Popen([sys.executable, "-m", "chunkserve", "serve", "--headless", "--node-rank", "1",
+                                        *nodes], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until_up(head)
+        assert len(rank_pids(port)) == 2
+        assert completions(head) == expected
+        metrics = head.metrics()
+        assert metrics["chunkserve:comm_bytes_total{rank=1}"] > 0 and metrics["chunkserve:comm_ops_total{rank=0}"] > 0
+        pids = rank_pids(port)
+        assert stop(head) == 0
+        assert worker_node.wait(30) == 0, open(log).read()
+        assert wait_gone(pids, 10) == []
+        assert shm_segments() <= before
+    finally:
+        for process in (head.process, worker_node):
+            if process.poll() is None:
+                process.kill()
+
+
+def test_two_nodes_through_torchrun_equal_tp1(tmp_path_factory, tiny_dir, expected):
+    port, http_port = master_port(), free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    serve = ["-m", "chunkserve", "serve", "--model", tiny_dir, "--num-kv-blocks", "64", "-tp", "2",
+             "--port", str(http_port), "--api-key", API_KEY]
+    folder = tmp_path_factory.mktemp("torchrun")
+    processes = []
+    env = {**os.environ, "CHUNKSERVE_API_KEY": "", "CHUNKSERVE_ADMIN_API_KEY": ""}
+    for node in (0, 1):
+        with open(folder / f"node{node}.log", "w") as out:
+            processes.append(subprocess.Popen([*torchrun, "--node-rank", str(node), *serve], stdout=out,
+                                              stderr=subprocess.STDOUT, env=env))
+    server = Server(processes[0], f"http://127.0.0.1:{http_port}", str(folder / "node0.log"))
+    try:
+        wait_until_up(server)
+        assert completions(server) == expected
+        pids = rank_pids(port)
+        assert len(pids) == 2
+        # torchrun's agent exits with an error on a signal of its own; a stopped server is a success
+        node0_server = int(subprocess.run(["pgrep", "-P", str(processes[0].pid)], capture_output=True,
+                                          text=True).stdout.split()[0])
+        os.kill(node0_server, signal.SIGTERM)
+        assert processes[0].wait(60) == 0, open(folder / "node0.log").read()
+        assert processes[1].wait(60) == 0, open(folder / "node1.log").read()
+        assert wait_gone(pids, 10) == []
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+
+
+def test_a_worker_killed_mid_stream_fails_its_requests_and_health_within_seconds(tmp_path_factory, tiny_dir):
+    port = master_port()
+    before = shm_segments()
+    server = start_server(tmp_path_factory, "--model", tiny_dir, "--num-kv-blocks", "256", "-tp", "2",
+                          "--master-port", str(port), name="killed")
+    try:
+        pids = rank_pids(port)
+        assert len(pids) == 2
+        body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True}
+        events, ended = [], None
+        start = time.monotonic()
+        with server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            try:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 5:
+                            killed_at = time.monotonic()
+                            os.kill(max(pids), signal.SIGKILL)  # rank 1 (started last)
+            except httpx.TransportError as error:  # the server may go before the stream's end is sent
+                ended = error
+        assert len(events) >= 5 and time.monotonic() - killed_at < 30
+        finished = [e for e in events if e != "[DONE]" and '"finish_reason":"abort"' in e.replace(" ", "")]
+        assert ended is not None or finished or any('"error"' in e for e in events), events[-3:]
+        assert all('"finish_reason":"length"' not in e.replace(" ", "") for e in events), "the stream went on"
+        deadline = time.monotonic() + 15
+        healthy = True
+        while healthy and time.monotonic() < deadline:
+            try:
+                healthy = httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                healthy = False
+            time.sleep(0.2)
+        assert not healthy, "/health still answered 200 after a worker died"
+        assert server.process.wait(30) != 0
+        assert wait_gone(pids, 10) == [], "a worker rank outlived the engine"
+        assert shm_segments() <= before
+        assert time.monotonic() - start < 60
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
