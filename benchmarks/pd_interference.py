@@ -62,6 +62,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from chunkserve.bench.host import machine
 from chunkserve.bench.serve import add_arguments, run_benchmark
 
 SERVER_START_TIMEOUT_S = 300
@@ -409,17 +410,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def ratio_of(c: dict, key: str, stat: str) -> float | None:
     return 1.0 if key == "baseline" else c.get(f"step_ratio_{key}_vs_baseline_{stat}")
-
-
-def machine() -> dict[str, str | bool]:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in lscpu.splitlines() if line.startswith("Flags")), [])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    return {"cpu": model, "avx512": any(f.startswith("avx512") for f in flags),
-            "avx512_flags": " ".join(f for f in flags if f.startswith("avx512")), "cpus": str(os.cpu_count()),
-            "commit": commit}
 
 
 def main() -> None:

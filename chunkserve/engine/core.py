@@ -309,10 +309,12 @@ class EngineCore:
             return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
         duration = time.perf_counter() - start
         # pipelined, a step's wall time includes waiting behind the others: the model learns the
-        # slowest stage's time, which is what sizes the micro-batches evenly
-        stage_time = max((r.compute_s for r in runner_output.rank_stats), default=duration)
-        self.predictor.observe(StepShape.of(scheduled.scheduled),
-                               stage_time if self.executor.max_concurrent_batches > 1 else duration)
+        # slowest stage's own time, so that SLO-sized micro-batches keep the stages evenly busy
+        if self.executor.max_concurrent_batches > 1:
+            duration_seen = max((r.stage_s for r in runner_output.rank_stats), default=duration)
+        else:
+            duration_seen = duration
+        self.predictor.observe(StepShape.of(scheduled.scheduled), duration_seen)
         stats = self.scheduler.stats()
         record = self._record(scheduled, start_wall, duration, margin, stats, runner_output)
         return EngineCoreOutputs(outputs, time.time(), record, stats)
@@ -373,7 +375,8 @@ class EngineCore:
             kv_transfer_bytes=moved,
             request_ids=tuple(s.request_id for s in scheduled.scheduled) if pipelined else (),
             sampled_request_ids=tuple(s.request_id for s in scheduled.scheduled if s.sample) if pipelined else (),
-            ranks=tuple(dataclasses.asdict(r) for r in runner_output.rank_stats),
+            ranks=tuple(dataclasses.asdict(r) for r in runner_output.rank_stats) if len(runner_output.rank_stats) > 1
+            else (),
         )
         self.step_records.append(record)
         self._next_step_id += 1

@@ -68,7 +68,8 @@ class StepRecord:
     # computed, decodes first, and those of them it sampled
     request_ids: tuple[str, ...] = ()
     sampled_request_ids: tuple[str, ...] = ()
-    # several ranks: one dict per rank (RankStepStats): rank, compute_s, comm_ops, comm_bytes, comm_s
+    # several ranks: one dict per rank (RankStepStats): rank, its step's seconds (compute_s, its collectives
+    # included), and its collectives (comm_ops, comm_bytes, comm_s)
     ranks: tuple[dict, ...] = ()
 
     def to_dict(self) -> dict:

@@ -108,8 +108,7 @@ class Worker:
         return None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.parallel_config.world_size == 1:
-            return self.runner.execute(scheduler_output)
+        """The runner's output, with this rank's compute and communication for the step."""
         start = time.perf_counter()
         try:
             output = self.runner.execute(scheduler_output)
@@ -142,7 +141,7 @@ class Worker:
 
     def profile(self, rows: list[tuple[int, int]], seed: int = 0) -> float:
         """Run one step of made-up requests, a (start position, tokens) pair each, and return
-        its seconds. Their KV lands in blocks 0.. of the pool, so the engine calls this only
+        its seconds (a pipeline stage's own). Their KV lands in blocks 0.. of the pool, so the engine calls this only
         while no request holds blocks (and drops its prefix cache first)."""
         block_size = self.config.block_size
         rng = torch.Generator().manual_seed(seed)
@@ -156,8 +155,8 @@ class Worker:
             new.append(NewRequestData(request_id, prompt, SamplingParams(max_tokens=1), None))
             blocks = list(range(-(-length // block_size)))
             scheduled.append(ScheduledRequest(request_id, start, num_tokens, blocks, True, True, num_tokens == 1))
-        begin = time.perf_counter()
-        self.runner.execute(SchedulerOutput(scheduled, new))
-        seconds = time.perf_counter() - begin
+        output = self.execute_model(SchedulerOutput(scheduled, new))  # (timed inside)
         self.runner.execute(SchedulerOutput([], [], finished_request_ids={r.request_id for r in new}))
-        return seconds
+        (stats,) = output.rank_stats
+        # pipelined, the engine learns each stage's own time (its step less the waits on other stages)
+        return stats.stage_s if self.parallel_config.pipeline_parallel_size > 1 else stats.compute_s

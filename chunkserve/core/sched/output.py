@@ -140,6 +140,12 @@ class RankStepStats:
     comm_bytes: int = 0
     comm_s: float = 0.0
 
+    @property
+    def stage_s(self) -> float:
+        """The rank's own work: its step less its collectives (which include waiting for the
+        other ranks, e.g. a later pipeline stage for the stage before it)."""
+        return max(self.compute_s - self.comm_s, 0.0)
+
 
 class EngineCoreOutput(NamedTuple):
     """What one request got from one step, as the engine core reports it: only what is new,

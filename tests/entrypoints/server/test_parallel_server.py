@@ -191,3 +191,20 @@ def test_a_worker_killed_mid_stream_fails_its_requests_and_health_within_seconds
     finally:
         if server.process.poll() is None:
             server.process.kill()
+
+
+def test_a_worker_killed_while_idle_fails_health_within_seconds(tmp_path_factory, tiny_dir):
+    port = master_port()
+    server = start_server(tmp_path_factory, "--model", tiny_dir, "--num-kv-blocks", "64", "-tp", "2",
+                          "--master-port", str(port), name="idle-kill")
+    try:
+        pids = rank_pids(port)
+        os.kill(min(pids), signal.SIGKILL)  # rank 0; nothing is running
+        killed_at = time.monotonic()
+        assert server.process.wait(30) != 0
+        assert time.monotonic() - killed_at < 15, "the engine took too long to notice its dead worker"
+        assert wait_gone(pids, 10) == []
+        assert "worker rank 0" in open(server.log_path).read()
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
