@@ -98,9 +98,12 @@ def run_config(name: str, model: str | None, flags: dict, args) -> dict:
         result: dict = {"config": name}
         for rows in (1, 8):
             prompts = [story[i * 7: i * 7 + 64] for i in range(rows)]
+            llm.engine.engine_core.step_records.clear()
             outputs = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
                                    use_tqdm=False)
             result[f"decode{rows}_tbt_ms"] = 1000 * median_tbt(outputs)
+            decode_steps = [r for r in llm.engine.step_records if r.num_prefill_tokens == 0]
+            result[f"decode{rows}_ranks"] = comm_per_step(decode_steps)
         prompts = [story[i: i + args.prompt_len] for i in range(args.requests)]
         llm.engine.engine_core.step_records.clear()
         start = time.perf_counter()
@@ -168,11 +171,11 @@ def gloo_latency(iterations: int) -> dict:
     return times
 
 
-def project_nccl(result: dict, latency_us: float, busbw_gbs: float) -> dict:
+def project_nccl(ranks: dict, latency_us: float, busbw_gbs: float) -> dict:
     """The rank with the most collective time: its collectives per step at NCCL's assumed cost."""
-    if not result.get("ranks"):
+    if not ranks:
         return {}
-    worst = max(result["ranks"].values(), key=lambda r: r["comm_s"])
+    worst = max(ranks.values(), key=lambda r: r["comm_s"])
     nccl_ms = (worst["comm_ops"] * latency_us * 1e-6 + worst["comm_bytes"] / (busbw_gbs * 1e9)) * 1000
     return {"gloo_comm_ms_per_step": 1000 * worst["comm_s"], "comm_ops_per_step": worst["comm_ops"],
             "comm_kib_per_step": worst["comm_bytes"] / 1024, "nccl_projected_comm_ms_per_step": nccl_ms,
@@ -217,27 +220,37 @@ def main() -> None:
               "KiB/step", "gloo comm ms/step", "compute ms/step", "NCCL comm ms/step (projected)")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    summary = {}
+    phases = []
     for name in names:
         rows = [r for r in results if r["config"] == name]
 
         def med(key: str) -> float:
             return statistics.median(r[key] for r in rows)
 
-        projections = [project_nccl(r, args.nccl_latency_us, args.nccl_busbw_gbs) for r in rows]
-        projections = [p for p in projections if p]
+        def pmed(phase: str, key: str) -> str:
+            projections = [project_nccl(r[phase], args.nccl_latency_us, args.nccl_busbw_gbs) for r in rows]
+            projections = [p for p in projections if p]
+            if not projections:
+                return "-"
+            value = statistics.median(p[key] for p in projections)
+            return f"{value:.2f}" if key.startswith("nccl") else f"{value:.1f}"
 
-        def pmed(key: str) -> str:
-            return f"{statistics.median(p[key] for p in projections):.1f}" if projections else "-"
-
-        summary[name] = {"decode1_tbt_ms": med("decode1_tbt_ms"), "decode8_tbt_ms": med("decode8_tbt_ms"),
-                         "scenario_a_tok_s": med("scenario_a_tok_s"), "step_ms_p50": med("scenario_a_step_ms_p50")}
         print(f"| {name} | {med('decode1_tbt_ms'):.1f} | {med('decode8_tbt_ms'):.1f} | {med('scenario_a_tok_s'):.1f} | "
-              f"{med('scenario_a_step_ms_p50'):.0f} | {pmed('comm_ops_per_step')} | {pmed('comm_kib_per_step')} | "
-              f"{pmed('gloo_comm_ms_per_step')} | {pmed('compute_ms_per_step')} | {pmed('nccl_projected_comm_ms_per_step')} |")
+              f"{med('scenario_a_step_ms_p50'):.0f} | {pmed('ranks', 'comm_ops_per_step')} | "
+              f"{pmed('ranks', 'comm_kib_per_step')} | {pmed('ranks', 'gloo_comm_ms_per_step')} | "
+              f"{pmed('ranks', 'compute_ms_per_step')} | {pmed('ranks', 'nccl_projected_comm_ms_per_step')} |")
+        for phase in ("decode1_ranks", "decode8_ranks"):
+            phases.append(f"| {name} | {phase.split('_')[0]} | " + " | ".join(
+                pmed(phase, key) for key in ("comm_ops_per_step", "comm_kib_per_step", "gloo_comm_ms_per_step",
+                                             "compute_ms_per_step", "nccl_projected_comm_ms_per_step")) + " |")
+    print("\nThe decode steps alone (the rank with the most collective time, means per step):\n")
+    print("| config | load | collectives/step | KiB/step | gloo comm ms/step | compute ms/step | "
+          "NCCL comm ms/step (projected) |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(phases))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": host, "gloo": gloo, "results": results, "summary": summary,
+            json.dump({"machine": host, "gloo": gloo, "results": results,
                        "nccl_assumed": {"latency_us": args.nccl_latency_us, "busbw_gbs": args.nccl_busbw_gbs}}, f,
                       indent=1)
 

@@ -62,7 +62,7 @@ def spawn_rank_processes(parallel: ParallelConfig, ranks: range) -> dict[int, su
     # each rank gets its share of the node's cores, so the ranks do not fight over them
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(ranks))))
     return {rank: subprocess.Popen([sys.executable, "-m", "chunkserve.executor.rank_process", "--rank", str(rank),
-                                    "--control", endpoint, "--die-with-parent"], env=env)
+                                    "--control", endpoint, "--parent-pid", str(os.getpid())], env=env)
             for rank in ranks}
 
 

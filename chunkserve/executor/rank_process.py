@@ -5,13 +5,14 @@ steps until told to stop. Started by the multiprocess executor on node 0, and by
 
     python -m chunkserve.executor.rank_process --rank R --control tcp://HOST:PORT
 
-It exits when the engine's connection drops (the engine is gone) and, with --die-with-parent,
-when the process that started it dies (Linux: PR_SET_PDEATHSIG), so no rank outlives its engine."""
+It exits when the engine's connection drops (the engine is gone) and, with --parent-pid, when
+the process that started it is gone (checked every second between messages), so no rank
+outlives its engine.  (Not PR_SET_PDEATHSIG: that fires when the *thread* that started the
+process exits, and an offline `LLM` may be built on a thread that ends before it.)"""
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import pickle
@@ -23,19 +24,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 logger = logging.getLogger("chunkserve.rank")
 
-PR_SET_PDEATHSIG = 1
+PARENT_CHECK_MS = 1000
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the engine's connection drop still ends this process
-        return
-    if os.getppid() == 1:  # the parent died before prctl
-        sys.exit(1)
-
-
-def serve_rank(rank: int, control: str) -> int:
+def serve_rank(rank: int, control: str, parent_pid: int | None = None) -> int:
     context = zmq.Context(io_threads=1)
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
@@ -52,7 +44,10 @@ def serve_rank(rank: int, control: str) -> int:
         poller.register(socket, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll())
+            ready = dict(poller.poll(PARENT_CHECK_MS))
+            if parent_pid is not None and os.getppid() != parent_pid:
+                logger.error("rank %d: the process that started it is gone; exiting", rank)
+                return 1
             if monitor in ready:
                 event = recv_monitor_message(monitor)
                 if event["event"] == zmq.EVENT_CONNECTED:
@@ -112,13 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--control", required=True, help="the engine's control socket, tcp://HOST:PORT")
-    parser.add_argument("--die-with-parent", action="store_true")
+    parser.add_argument("--parent-pid", type=int, help="exit when this process (the starter) is gone")
     args = parser.parse_args(argv)
-    if args.die_with_parent:
-        _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the engine decides
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{args.rank} %(name)s: %(message)s")
-    sys.exit(serve_rank(args.rank, args.control))
+    sys.exit(serve_rank(args.rank, args.control, args.parent_pid))
 
 
 if __name__ == "__main__":
