@@ -287,7 +287,12 @@ class EngineArgs:
     def executor_backend(self) -> str:
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
-        return "mp" if self.tensor_parallel_size * self.pipeline_parallel_size > 1 else "uni"
+        return "mp" if self.parallel_config().world_size > 1 else "uni"
+
+    @property
+    def ranks_take_tokens_from_steps(self) -> bool:
+        """Worker processes (mp) take every request's tokens from the steps: only one of them samples."""
+        return self.executor_backend == "mp"
 
     def request_limits(self, max_model_len: int) -> RequestLimits:
         """The frontend's bounds on one request, with the default that depends on max_model_len resolved."""
@@ -313,6 +318,6 @@ class EngineArgs:
             max_num_seqs=max_num_seqs,
             chunk_schedule=None if self.chunk_schedule is None else ChunkSchedule.parse(self.chunk_schedule),
             max_steps_in_flight=self.pipeline_parallel_size,
-            send_token_ids=self.executor_backend == "mp",
+            send_token_ids=self.ranks_take_tokens_from_steps,
             **{n: getattr(self, n) for n in names},
         )

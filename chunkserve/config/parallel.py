@@ -5,6 +5,7 @@ build their process groups from it."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +116,20 @@ class ParallelConfig:
             )
         for stage in range(self.pipeline_parallel_size):
             self.stage_layers(num_layers, stage)
+
+
+def under_torchrun() -> bool:
+    """torchrun started this process; its agent hosts the store on MASTER_PORT."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def store_prefix() -> str:
+    """The key prefix of our ranks in torch.distributed's store: under torchrun, whose agent keeps
+    its store across restarts, one per run and attempt, so that a restart never meets old keys."""
+    if not under_torchrun():
+        return "chunkserve"
+    env = os.environ
+    return f"chunkserve/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def parse_layer_partition(text: str | None) -> tuple[int, ...] | None:

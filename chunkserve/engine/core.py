@@ -30,6 +30,7 @@ from chunkserve.core.sched.output import (
     SchedulerOutput,
     SchedulerStats,
     hit_rate,
+    observed_step_seconds,
 )
 from chunkserve.core.sched.scheduler import Scheduler
 from chunkserve.core.step_predictor import StepShape, StepTimePredictor
@@ -58,6 +59,13 @@ class EngineCore:
         disk tier (whose worker side the workers build)."""
         self.config = config
         self.executor = executor or make_executor(config)
+        try:
+            self._start(config, kv_connector)
+        except BaseException:  # the executor's worker processes must not outlive a core that never started
+            self.executor.shutdown()
+            raise
+
+    def _start(self, config: EngineArgs, kv_connector: KVConnectorScheduler | None) -> None:
         self.model_config: ModelConfig = self.executor.model_config
         num_blocks = self.executor.determine_num_kv_blocks()
         self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks)
@@ -266,13 +274,12 @@ class EngineCore:
         while len(self._in_flight) < self.executor.max_concurrent_batches:
             start_wall, start, margin = time.time(), time.perf_counter(), self.predictor.margin
             scheduled = self.scheduler.schedule()
-            if scheduled.is_empty:
-                if self._in_flight:  # all that may run is in flight: its finished ids ride the next step
-                    self.scheduler.void_step(scheduled)
-                    break
-                return self._complete_step(scheduled, self.executor.execute_model(scheduled), start_wall, start,
-                                           margin)
+            if scheduled.is_empty and self._in_flight:  # all that may run is in flight: its finished ids ride
+                self.scheduler.void_step(scheduled)  # the next step
+                break
             self._in_flight.append((scheduled, self.executor.submit(scheduled), start_wall, start, margin))
+            if scheduled.is_empty:  # nothing in flight, nothing to run: it carries finished ids alone
+                break
         scheduled, handle, start_wall, start, margin = self._in_flight.popleft()
         try:
             runner_output = handle.result()
@@ -308,13 +315,9 @@ class EngineCore:
                 return None  # (a transfer that timed out has an output; held blocks freed change the stats)
             return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
         duration = time.perf_counter() - start
-        # pipelined, a step's wall time includes waiting behind the others: the model learns the
-        # slowest stage's own time, so that SLO-sized micro-batches keep the stages evenly busy
-        if self.executor.max_concurrent_batches > 1:
-            duration_seen = max((r.stage_s for r in runner_output.rank_stats), default=duration)
-        else:
-            duration_seen = duration
-        self.predictor.observe(StepShape.of(scheduled.scheduled), duration_seen)
+        # (pipelined, a step's wall time includes waiting behind the steps before it)
+        self.predictor.observe(StepShape.of(scheduled.scheduled), observed_step_seconds(
+            runner_output.rank_stats, self.executor.max_concurrent_batches, duration))
         stats = self.scheduler.stats()
         record = self._record(scheduled, start_wall, duration, margin, stats, runner_output)
         return EngineCoreOutputs(outputs, time.time(), record, stats)

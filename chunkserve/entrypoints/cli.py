@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
             engine_args, server_args = apply_torchrun_env(from_cli_args(EngineArgs, args),
                                                           from_cli_args(ServerArgs, args))
             if server_args.headless:
-                from chunkserve.executor.multiproc import run_headless
+                from chunkserve.executor.launch import run_headless
 
                 sys.exit(run_headless(engine_args))
             from chunkserve.entrypoints.server.app import run_server

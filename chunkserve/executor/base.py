@@ -22,16 +22,6 @@ class StepHandle(ABC):
         """Wait for the step's output; raises what the step raised."""
 
 
-class _DoneStep(StepHandle):
-    def __init__(self, output: ModelRunnerOutput | None, error: Exception | None) -> None:
-        self._output, self._error = output, error
-
-    def result(self) -> ModelRunnerOutput:
-        if self._error is not None:
-            raise self._error
-        return self._output
-
-
 class Executor(ABC):
     model_config: ModelConfig  # the model's shape, as the workers read it
 
@@ -49,11 +39,9 @@ class Executor(ABC):
         return 1
 
     def submit(self, scheduler_output: SchedulerOutput) -> StepHandle:
-        """Hand a step to the workers without waiting for it (where the executor can)."""
-        try:
-            return _DoneStep(self.execute_model(scheduler_output), None)
-        except Exception as error:
-            return _DoneStep(None, error)
+        """Hand a step to the workers without waiting for it: executors whose
+        `max_concurrent_batches` exceeds 1 (a pipeline) implement it."""
+        raise NotImplementedError(f"{type(self).__name__} runs one step at a time: call execute_model")
 
     def set_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         """`callback(error)` is called (from any thread) when the workers fail while the engine

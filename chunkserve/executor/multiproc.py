@@ -11,23 +11,27 @@ come back in order.
 torch.distributed (gloo) joins the ranks for the model's own traffic; its store listens on
 --master-port, hosted here (or by torchrun's agent, when torchrun started this node).
 
-Death monitor: a local worker that exits, or a remote one whose connection drops, raises
-`EngineDeadError` from whatever the engine is waiting on, and, while the engine is idle, a
-thread reports it through the failure callback; a clean shutdown waits for the local workers
-to exit (killing any that do not) and leaves no process behind."""
+Death monitor: a local worker that exits, or a rank whose connection drops (the one its
+hello came on: a stray connection to the port is no rank), raises `EngineDeadError` from whatever
+the engine is waiting on, and, while the engine is idle, a thread reports it through the
+failure callback. With a pipeline, a rank that fails a step for any reason but the requests'
+own data (which every rank finds before the forward) is fatal too: the stages would no longer
+agree on which step a tensor belongs to. A clean shutdown waits for the local workers to exit
+(killing any that do not) and leaves no process behind.
+
+The control socket carries pickles: like torch.distributed's own ports, it must only be
+reachable from the cluster's machines (a trusted network), never from clients."""
 
 from __future__ import annotations
 
 import logging
-import os
 import pickle
-import signal
-import subprocess
-import sys
+import socket
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 import zmq
@@ -35,10 +39,11 @@ from zmq.utils.monitor import recv_monitor_message
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import resolve_model
-from chunkserve.config.parallel import ParallelConfig
 from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from chunkserve.errors import EngineDeadError, InvalidRequestError
+from chunkserve.errors import EngineDeadError, RequestFailedError
 from chunkserve.executor.base import Executor, StepHandle
+from chunkserve.config.parallel import under_torchrun
+from chunkserve.executor.launch import SHUTDOWN_GRACE_S, spawn_rank_processes, stop_processes
 from chunkserve.model.loader import load_model_config
 from chunkserve.worker.worker import DIST_TIMEOUT
 
@@ -47,33 +52,6 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.1  # how often a wait looks at the workers' health
 READY_TIMEOUT_S = 600.0  # every rank connected, within this long of start-up (remote nodes may start later)
 PEER_ERROR_GRACE_S = 30.0  # after one rank failed a step, how long the others may take to answer it
-SHUTDOWN_GRACE_S = 10.0
-
-
-def under_torchrun() -> bool:
-    """torchrun started this process; its agent hosts the store on MASTER_PORT."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
-def spawn_rank_processes(parallel: ParallelConfig, ranks: range) -> dict[int, subprocess.Popen]:
-    """Start the worker processes of `ranks` on this node; they die with this process."""
-    endpoint = f"tcp://{parallel.master_addr}:{parallel.control_port}"
-    env = dict(os.environ)
-    # each rank gets its share of the node's cores, so the ranks do not fight over them
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(ranks))))
-    return {rank: subprocess.Popen([sys.executable, "-m", "chunkserve.executor.rank_process", "--rank", str(rank),
-                                    "--control", endpoint, "--parent-pid", str(os.getpid())], env=env)
-            for rank in ranks}
-
-
-def stop_processes(processes: dict[int, subprocess.Popen], grace_s: float) -> None:
-    deadline = time.monotonic() + grace_s
-    for process in processes.values():
-        try:
-            process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 class MultiprocExecutor(Executor):
@@ -93,16 +71,18 @@ class MultiprocExecutor(Executor):
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a rank that is gone raises
         self._socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-        self._socket.bind(f"tcp://{parallel.master_addr}:{parallel.control_port}")
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # ZMQ binds an address, not a name (torchrun's MASTER_ADDR may be a host name)
+        self._socket.bind(f"tcp://{socket.gethostbyname(parallel.master_addr)}:{parallel.control_port}")
+        self._rank_fds: dict[int, int] = {}  # each rank's connection (its socket's file descriptor) -> rank
         self._identities: dict[int, bytes] = {}
-        self._processes: dict[int, subprocess.Popen] = {}
+        self._processes = {}
         self._replies: dict[tuple[str, int], dict[int, tuple[Any, BaseException | None]]] = defaultdict(dict)
         self._first_error_at: dict[tuple[str, int], float] = {}
         self._next_id = 0
         self._dead: EngineDeadError | None = None
         self._failure_callback: Callable[[BaseException], None] | None = None
-        self._lock = threading.RLock()  # the socket: the engine thread and the idle monitor
+        self._lock = threading.RLock()  # the sockets: the engine thread and the idle monitor
         self._busy = False
         self._closed = False
         try:
@@ -120,7 +100,7 @@ class MultiprocExecutor(Executor):
 
     def _await_ranks(self, config_bytes: bytes) -> None:
         """Wait for every rank's hello and hand it the engine's configuration; then every rank
-        builds its worker (joining the process group) and says ready."""
+        builds its worker (joining the process group) and says ready, or why it could not."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while len(self._identities) < self.world_size:
             self._check_health()
@@ -131,13 +111,17 @@ class MultiprocExecutor(Executor):
                                       "nodes started, with the same --master-addr/--master-port?)")
             if not self._socket.poll(int(POLL_S * 1000)):
                 continue
-            identity, payload = self._socket.recv_multipart()
-            kind, rank = pickle.loads(payload)[:2]
+            identity, payload = self._socket.recv_multipart(copy=False)
+            message = pickle.loads(payload.bytes)
+            kind, rank = message[0], message[2 if message[0] == "ready" else 1]
+            if kind == "ready" and message[4] is not None:  # a rank that could not build its worker
+                raise message[4]
             if kind != "hello" or not 0 <= rank < self.world_size or rank in self._identities:
                 logger.warning("ignored a control message %r from rank %r during start-up", kind, rank)
                 continue
-            self._identities[rank] = identity
-            self._socket.send_multipart([identity, config_bytes])
+            self._identities[rank] = identity.bytes
+            self._rank_fds[payload.get(zmq.SRCFD)] = rank
+            self._socket.send_multipart([identity.bytes, config_bytes])
         self._wait("ready", 0)
 
     # ----- the executor interface -------------------------------------------------------
@@ -174,18 +158,20 @@ class MultiprocExecutor(Executor):
             return
         self._closed = True
         with self._lock:
-            grace = 0.0  # after a death the others may be stuck in a collective with the dead: no waiting
-            if self._dead is None and self._identities:
-                try:
-                    self._broadcast(pickle.dumps(("shutdown", 0)))
-                    grace = SHUTDOWN_GRACE_S
-                except (zmq.ZMQError, EngineDeadError):
-                    pass
-            stop_processes(self._processes, grace)
-            self._monitor.close(linger=0)
-            self._socket.close(linger=0)
-            self._context.term()
-            self._store = None
+            try:
+                grace = 0.0  # after a death the others may be stuck in a collective with the dead: no waiting
+                if self._dead is None and self._identities:
+                    try:
+                        self._broadcast(pickle.dumps(("shutdown", 0)))
+                        grace = SHUTDOWN_GRACE_S
+                    except (zmq.ZMQError, EngineDeadError):
+                        pass
+            finally:
+                stop_processes(self._processes, grace)
+                self._monitor.close(linger=0)
+                self._socket.close(linger=0)
+                self._context.term()
+                self._store = None
 
     # ----- messaging ----------------------------------------------------------------------
 
@@ -199,14 +185,14 @@ class MultiprocExecutor(Executor):
         try:
             with self._lock:
                 self._check_health()
-                for rank in range(self.world_size):
-                    self._socket.send_multipart([self._identities[rank], frame], copy=False)
+                for identity in self._identities.values():  # (all of them, once start-up is done)
+                    self._socket.send_multipart([identity, frame], copy=False)
         except zmq.ZMQError as error:  # ROUTER_MANDATORY: a rank's connection is gone
             raise self._die(f"a worker rank is unreachable ({error})") from None
 
     def _wait(self, kind: str, message_id: int) -> dict[int, Any]:
         """Every rank's answer to message `message_id`; raises the first rank's error, or
-        EngineDeadError when a rank dies meanwhile."""
+        EngineDeadError when a rank dies meanwhile (or, pipelined, fails a step by itself)."""
         key = (kind, message_id)
         self._busy = True
         try:
@@ -226,6 +212,10 @@ class MultiprocExecutor(Executor):
                 self._replies[reply_key][rank] = (value, error)
                 if error is not None:
                     self._first_error_at.setdefault(reply_key, time.monotonic())
+                    if (reply_kind == "step" and self.parallel.pipeline_parallel_size > 1
+                            and not isinstance(error, RequestFailedError)):
+                        raise self._die(f"worker rank {rank} failed a pipelined step ({error!r}); the stages can no "
+                                        "longer agree on which step a tensor belongs to")
         finally:
             self._busy = False
         replies = self._replies.pop(key)
@@ -244,12 +234,14 @@ class MultiprocExecutor(Executor):
             code = process.poll()
             if code is not None:
                 raise self._die(f"worker rank {rank} (pid {process.pid}) exited with code {code}")
-        try:
-            event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        if event["event"] == zmq.EVENT_DISCONNECTED and self._identities:
-            raise self._die(f"a worker rank's connection dropped ({event['endpoint']!r}): its process or node is gone")
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            rank = self._rank_fds.get(event["value"])
+            if rank is not None:  # (another connection to the port, a probe say, is no rank's)
+                raise self._die(f"worker rank {rank}'s connection dropped: its process or node is gone")
 
     def _die(self, reason: str) -> EngineDeadError:
         if self._dead is None:
@@ -281,34 +273,3 @@ class _MultiprocStep(StepHandle):
 
     def result(self) -> ModelRunnerOutput:
         return self._executor.step_result(self._step_id)
-
-
-def run_headless(config: EngineArgs) -> int:
-    """A node that only runs workers (`chunkserve serve --headless`): start this node's ranks,
-    which connect to node 0's engine, and wait until they exit (the engine shut them down or
-    went away). SIGINT/SIGTERM stop them. Returns the exit code."""
-    parallel = config.parallel_config()
-    if parallel.node_rank == 0:
-        raise InvalidRequestError("--headless runs a node other than node 0 (which runs the engine): give "
-                                  "--node-rank 1 or more, with --nnodes")
-    processes = spawn_rank_processes(parallel, parallel.local_ranks)
-    logger.info("node %d of %d: ranks %s started; engine at %s:%d", parallel.node_rank, parallel.nnodes,
-                list(parallel.local_ranks), parallel.master_addr, parallel.control_port)
-    stopping = threading.Event()
-
-    def stop(signum, frame) -> None:
-        stopping.set()
-
-    for stop_signal in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(stop_signal, stop)
-    while not stopping.is_set() and all(p.poll() is None for p in processes.values()):
-        stopping.wait(POLL_S)
-    codes = {rank: p.poll() for rank, p in processes.items()}
-    for process in processes.values():
-        if process.poll() is None:
-            process.terminate()
-    stop_processes(processes, SHUTDOWN_GRACE_S)
-    failed = {rank: code for rank, code in codes.items() if code not in (None, 0)}
-    if failed:
-        logger.error("worker ranks exited with codes %s", failed)
-    return 1 if failed else 0

@@ -5,10 +5,11 @@ steps until told to stop. Started by the multiprocess executor on node 0, and by
 
     python -m chunkserve.executor.rank_process --rank R --control tcp://HOST:PORT
 
-It exits when the engine's connection drops (the engine is gone) and, with --parent-pid, when
-the process that started it is gone (checked every second between messages), so no rank
-outlives its engine.  (Not PR_SET_PDEATHSIG: that fires when the *thread* that started the
-process exits, and an offline `LLM` may be built on a thread that ends before it.)"""
+A watchdog thread ends the process when the engine's connection drops (the engine is gone)
+or, with --parent-pid, when the process that started it is gone, even while the rank is stuck
+in a collective with a dead peer: no rank outlives its engine. (Not PR_SET_PDEATHSIG: that
+fires when the *thread* that started the process exits, and an offline `LLM` may be built on a
+thread that ends before it.)"""
 
 from __future__ import annotations
 
@@ -18,13 +19,30 @@ import os
 import pickle
 import signal
 import sys
+import threading
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 logger = logging.getLogger("chunkserve.rank")
 
-PARENT_CHECK_MS = 1000
+WATCHDOG_POLL_MS = 1000
+
+
+def _watchdog(rank: int, monitor: zmq.Socket, parent_pid: int | None) -> None:
+    """Owns the monitor socket (ZMQ sockets are not shared between threads)."""
+    connected = False
+    while True:
+        if monitor.poll(WATCHDOG_POLL_MS):
+            event = recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_CONNECTED:
+                connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED and connected:
+                logger.error("rank %d: the engine's connection dropped; exiting", rank)
+                os._exit(1)
+        if parent_pid is not None and os.getppid() != parent_pid:
+            logger.error("rank %d: the process that started it is gone; exiting", rank)
+            os._exit(1)
 
 
 def serve_rank(rank: int, control: str, parent_pid: int | None = None) -> int:
@@ -36,27 +54,12 @@ def serve_rank(rank: int, control: str, parent_pid: int | None = None) -> int:
     socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
     monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     socket.connect(control)
+    threading.Thread(target=_watchdog, args=(rank, monitor, parent_pid), name="chunkserve-rank-watchdog",
+                     daemon=True).start()
     socket.send(pickle.dumps(("hello", rank)))
     worker = None
-    connected = False
     try:
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll(PARENT_CHECK_MS))
-            if parent_pid is not None and os.getppid() != parent_pid:
-                logger.error("rank %d: the process that started it is gone; exiting", rank)
-                return 1
-            if monitor in ready:
-                event = recv_monitor_message(monitor)
-                if event["event"] == zmq.EVENT_CONNECTED:
-                    connected = True
-                elif event["event"] == zmq.EVENT_DISCONNECTED and connected:
-                    logger.error("rank %d: the engine's connection dropped; exiting", rank)
-                    return 1
-            if socket not in ready:
-                continue
             message = pickle.loads(socket.recv())
             if worker is None:  # the first message is the engine's configuration
                 worker, error = _build_worker(message, rank)
@@ -79,10 +82,7 @@ def serve_rank(rank: int, control: str, parent_pid: int | None = None) -> int:
                 error = _picklable(caught)
             socket.send(pickle.dumps((kind, message_id, rank, value, error), protocol=pickle.HIGHEST_PROTOCOL))
     finally:
-        socket.disable_monitor()
-        monitor.close(linger=0)
-        socket.close()
-        context.term()
+        socket.close()  # (the watchdog's monitor socket goes with the process)
 
 
 def _build_worker(config, rank: int):

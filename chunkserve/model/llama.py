@@ -15,7 +15,6 @@ layers, the first stage the embedding and the last the final norm and the LM hea
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -164,11 +163,6 @@ class LlamaModel(nn.Module, UsesOps):
         self.lm_head = Linear(config.hidden_size, len(self.vocab_rows), bias=False) if own_head else None
         self.embedding_blocks: BlockWeight | None = None  # the GGUF blocks of a head read from the embedding table
         self.requires_grad_(False)
-
-    @property
-    def kv_config(self) -> ModelConfig:
-        """The config as this rank's KV cache sees it: its layers, its KV heads."""
-        return self.parallel.kv_config(self.config)
 
     def set_ops(self, ops: ModelOps) -> None:
         """Compute every layer (and the LM head) through `ops`; call it after the weights are

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from chunkserve.config.parallel import ParallelConfig
 from chunkserve.model.config import ModelConfig
 from chunkserve.ops.model_ops import BlockWeight
 
@@ -22,20 +23,24 @@ GGUF_BLOCK_WEIGHTS = 32  # weights per GGUF block (Q4_0, Q4_1, Q8_0)
 
 @dataclass
 class CommStats:
-    """Collectives since the last `take()`: how many, their payload bytes, their seconds."""
+    """Collectives since the last `take()`: how many, their payload bytes, their seconds, and
+    of those the pipeline's sends and receives (mostly waiting for the other stage)."""
 
     count: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    p2p_seconds: float = 0.0
 
-    def add(self, nbytes: int, seconds: float) -> None:
+    def add(self, nbytes: int, seconds: float, p2p: bool = False) -> None:
         self.count += 1
         self.bytes += nbytes
         self.seconds += seconds
+        if p2p:
+            self.p2p_seconds += seconds
 
     def take(self) -> CommStats:
-        taken = CommStats(self.count, self.bytes, self.seconds)
-        self.count, self.bytes, self.seconds = 0, 0, 0.0
+        taken = CommStats(self.count, self.bytes, self.seconds, self.p2p_seconds)
+        self.count, self.bytes, self.seconds, self.p2p_seconds = 0, 0, 0.0, 0.0
         return taken
 
 
@@ -57,12 +62,14 @@ class ParallelContext:
         return ParallelContext()
 
     @staticmethod
-    def from_world(rank: int, tp_size: int, pp_size: int, layers: range | None) -> ParallelContext:
-        """Rank `rank`'s context in an initialized world of tp_size * pp_size ranks (vLLM's
-        numbering: rank = pp_rank * tp_size + tp_rank, each stage's TP ranks consecutive).
-        Every rank must call it: each creates every stage's TP group, in the same order, as
+    def from_world(rank: int, split: ParallelConfig, num_layers: int) -> ParallelContext:
+        """Rank `rank`'s context in an initialized world of the split's ranks (its numbering:
+        each stage's TP ranks consecutive), running its stage's share of `num_layers`. Every
+        rank must call it: each creates every stage's TP group, in the same order, as
         torch.distributed requires."""
-        tp_rank, pp_rank = rank % tp_size, rank // tp_size
+        tp_size, pp_size = split.tensor_parallel_size, split.pipeline_parallel_size
+        tp_rank, pp_rank = split.tp_rank(rank), split.pp_rank(rank)
+        layers = split.stage_layers(num_layers, pp_rank)
         tp_group, tp_ranks = None, (rank,)
         for stage in range(pp_size):
             ranks = tuple(range(stage * tp_size, (stage + 1) * tp_size))
@@ -109,7 +116,7 @@ class ParallelContext:
         for tensor in tensors:
             start = time.perf_counter()
             dist.send(tensor.contiguous(), self.next_rank)
-            self.stats.add(tensor.numel() * tensor.element_size(), time.perf_counter() - start)
+            self.stats.add(tensor.numel() * tensor.element_size(), time.perf_counter() - start, p2p=True)
 
     def recv_from_prev_stage(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
         received = []
@@ -117,7 +124,7 @@ class ParallelContext:
             tensor = torch.empty(shape, dtype=dtype)
             start = time.perf_counter()
             dist.recv(tensor, self.prev_rank)
-            self.stats.add(tensor.numel() * tensor.element_size(), time.perf_counter() - start)
+            self.stats.add(tensor.numel() * tensor.element_size(), time.perf_counter() - start, p2p=True)
             received.append(tensor)
         return received
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import ModelSource, resolve_model
+from chunkserve.config.parallel import store_prefix
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorWorker
 from chunkserve.core.sched.output import (
@@ -22,6 +23,7 @@ from chunkserve.core.sched.output import (
     RankStepStats,
     ScheduledRequest,
     SchedulerOutput,
+    observed_step_seconds,
 )
 from chunkserve.errors import InvalidRequestError
 from chunkserve.model.config import ModelConfig
@@ -61,12 +63,9 @@ class Worker:
         parallel = self.parallel_config
         store = dist.TCPStore(parallel.master_addr, parallel.master_port, parallel.world_size, is_master=False,
                               timeout=DIST_TIMEOUT)
-        dist.init_process_group("gloo", store=dist.PrefixStore("chunkserve", store), rank=self.rank,
+        dist.init_process_group("gloo", store=dist.PrefixStore(store_prefix(), store), rank=self.rank,
                                 world_size=parallel.world_size, timeout=DIST_TIMEOUT)
-        pp_rank = parallel.pp_rank(self.rank)
-        layers = parallel.stage_layers(self.model_config.num_layers, pp_rank)
-        return ParallelContext.from_world(self.rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                                          layers)
+        return ParallelContext.from_world(self.rank, parallel, self.model_config.num_layers)
 
     @property
     def kv_config(self) -> ModelConfig:
@@ -94,7 +93,7 @@ class Worker:
             self.kv_connector = self._default_connector()
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size, config.seed,
                                   config.op_backend, self.kv_connector, self.kv_config,
-                                  tokens_from_steps=config.executor_backend == "mp")
+                                  tokens_from_steps=config.ranks_take_tokens_from_steps)
 
     def _default_connector(self) -> KVConnectorWorker | None:
         """The worker's side of the connector the flags ask for (the engine core builds its other side)."""
@@ -115,7 +114,7 @@ class Worker:
         finally:
             comm = self.parallel.stats.take()
         output.rank_stats = [RankStepStats(self.rank, time.perf_counter() - start, comm.count, comm.bytes,
-                                           comm.seconds)]
+                                           comm.seconds, comm.p2p_seconds)]
         return output
 
     def shutdown(self) -> None:
@@ -157,6 +156,5 @@ class Worker:
             scheduled.append(ScheduledRequest(request_id, start, num_tokens, blocks, True, True, num_tokens == 1))
         output = self.execute_model(SchedulerOutput(scheduled, new))  # (timed inside)
         self.runner.execute(SchedulerOutput([], [], finished_request_ids={r.request_id for r in new}))
-        (stats,) = output.rank_stats
-        # pipelined, the engine learns each stage's own time (its step less the waits on other stages)
-        return stats.stage_s if self.parallel_config.pipeline_parallel_size > 1 else stats.compute_s
+        return observed_step_seconds(output.rank_stats, self.parallel_config.pipeline_parallel_size,
+                                     output.rank_stats[0].compute_s)

@@ -63,7 +63,7 @@ def test_torchrun_environment_makes_one_chunkserve_process_per_node(monkeypatch)
 
 
 def test_headless_on_node_0_is_refused():
-    from chunkserve.executor.multiproc import run_headless
+    from chunkserve.executor.launch import run_headless
 
     with pytest.raises(InvalidRequestError, match="--node-rank 1 or more"):
         run_headless(EngineArgs(tensor_parallel_size=2, nnodes=2))

@@ -30,8 +30,9 @@ class TokensFromStepsRunner(FakeRunner):
         return result
 
 
-def run_pipelined(scheduler: Scheduler, requests, depth: int, on_step=None, max_steps: int = 20_000):
-    runner = TokensFromStepsRunner(scheduler.config.block_size)
+def run_pipelined(scheduler: Scheduler, requests, depth: int, on_step=None, max_steps: int = 20_000,
+                  runner: TokensFromStepsRunner | None = None):
+    runner = runner or TokensFromStepsRunner(scheduler.config.block_size)
     for request in requests:
         scheduler.add_request(request)
     in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
@@ -144,3 +145,19 @@ def test_abort_and_preemption_with_steps_in_flight_return_every_block():
     assert not scheduler.has_unfinished_requests()
     assert_pool_free(scheduler)
     assert all(r.num_output_tokens == r.max_tokens for r in requests[2:])
+
+
+def test_a_reused_request_id_ignores_the_old_requests_step_in_flight():
+    scheduler = make_scheduler(max_steps_in_flight=2, send_token_ids=True)
+    runner = TokensFromStepsRunner()
+    old = make_request("a", 40, max_tokens=4)
+    scheduler.add_request(old)
+    first = scheduler.schedule()  # a's first chunk (32 tokens), in flight
+    result = runner.execute(first)
+    scheduler.finish_requests(["a"], old.status.FINISHED_ABORTED)
+    new = make_request("a", 6, max_tokens=3)
+    scheduler.add_request(new)
+    scheduler.update_from_output(first, result)  # the old a's: not the new one's
+    assert new.num_computed_tokens == 0 and new.num_output_tokens == 0
+    assert run_pipelined(scheduler, [], 2, runner=runner) == {}
+    assert new.num_output_tokens == 3

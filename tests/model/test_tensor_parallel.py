@@ -117,7 +117,7 @@ def drive(model: LlamaModel, cpp_ops=None) -> dict[str, torch.Tensor] | None:
     model.set_ops(TORCH_OPS if cpp_ops is None else cpp_ops.model_ops())
     kernels = None if cpp_ops is None else cpp_ops.attention_kernels()
     parallel = model.parallel
-    kv = allocate_kv_cache(model.kv_config, torch.float32, 32, BLOCK_SIZE)
+    kv = allocate_kv_cache(model.parallel.kv_config(model.config), torch.float32, 32, BLOCK_SIZE)
     free = iter(np.random.default_rng(1).permutation(32).tolist())
     tables = {name: np.asarray([next(free) for _ in range(-(-len(tokens) // BLOCK_SIZE))], dtype=np.int64)
               for name, tokens in TOKENS.items()}
@@ -152,8 +152,7 @@ def load_rank(model_dir: str, rank: int, tp: int, pp: int) -> LlamaModel:
     source = resolve_model(model_dir)
     config = load_model_config(source)
     split = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    layers = split.stage_layers(config.num_layers, split.pp_rank(rank))
-    return load_model(source, config, "float32", 256, ParallelContext.from_world(rank, tp, pp, layers))
+    return load_model(source, config, "float32", 256, ParallelContext.from_world(rank, split, config.num_layers))
 
 
 def _rank_main(rank: int, world_size: int, port: int, jobs: list[tuple], out_dir: str) -> None:
@@ -245,8 +244,9 @@ def test_a_rank_holds_and_loads_only_its_shard(model_dirs):
     weights = load_file(os.path.join(source.path, "model.safetensors"))
     parallel = ParallelContext(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2, layers=range(2, 3))
     model = load_model(source, config, "float32", 256, parallel)
-    assert model.embed_tokens is None and len(model.layers) == 1 and model.kv_config.num_layers == 1
-    assert model.kv_config.num_kv_heads == 1  # the one KV head, replicated
+    kv_config = parallel.kv_config(config)
+    assert model.embed_tokens is None and len(model.layers) == 1 and kv_config.num_layers == 1
+    assert kv_config.num_kv_heads == 1  # the one KV head, replicated
     attention, mlp = model.layers[0].self_attn, model.layers[0].mlp
     q, k = weights["model.layers.2.self_attn.q_proj.weight"], weights["model.layers.2.self_attn.k_proj.weight"]
     v = weights["model.layers.2.self_attn.v_proj.weight"]

@@ -139,12 +139,22 @@ class RankStepStats:
     comm_ops: int = 0
     comm_bytes: int = 0
     comm_s: float = 0.0
+    p2p_s: float = 0.0  # of comm_s, the pipeline's sends and receives
 
     @property
     def stage_s(self) -> float:
-        """The rank's own work: its step less its collectives (which include waiting for the
-        other ranks, e.g. a later pipeline stage for the stage before it)."""
-        return max(self.compute_s - self.comm_s, 0.0)
+        """The rank's own work: its step less its pipeline sends and receives (which are mostly
+        waiting for the stage before it; its tensor-parallel collectives are part of the work)."""
+        return max(self.compute_s - self.p2p_s, 0.0)
+
+
+def observed_step_seconds(rank_stats: list[RankStepStats], pipeline_stages: int, wall_s: float) -> float:
+    """What the step-time model learns from a step. One stage: its wall time. A pipeline: the
+    time between a request's tokens if every micro-batch were like this one, stages x the slowest
+    stage's own time, so that a TBT SLO sizes micro-batches that keep the stages evenly busy."""
+    if pipeline_stages == 1 or not rank_stats:
+        return wall_s
+    return pipeline_stages * max(r.stage_s for r in rank_stats)
 
 
 class EngineCoreOutput(NamedTuple):

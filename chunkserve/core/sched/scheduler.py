@@ -91,8 +91,9 @@ class Scheduler:
         # finished requests' blocks, held until the connector has sent them (oldest first per id)
         self._sending: dict[str, deque[list[int]]] = {}
         self._tokens_sent: dict[str, int] = {}  # with send_token_ids: tokens of each request the workers have
-        # steps in flight (pipelined): each one's requests and their preemption counts when it was scheduled
-        self._in_flight: dict[int, dict[str, int]] = {}
+        # steps in flight (pipelined): each one's requests, as (the Request, its preemption count) when it was
+        # scheduled: a result applies only to the same request (an id may be reused) not preempted since
+        self._in_flight: dict[int, dict[str, tuple[Request, int]]] = {}
         self._awaiting_token: set[str] = set()  # pipelined: their sampling step is in flight
         # while the engine searches for the request that makes steps fail, only these run (the others
         # keep their blocks and wait); None: every request may run
@@ -248,7 +249,8 @@ class Scheduler:
         )
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         if self.pipelined and output.scheduled:
-            self._in_flight[id(output)] = {s.request_id: self.requests[s.request_id].num_preemptions
+            self._in_flight[id(output)] = {s.request_id: (self.requests[s.request_id],
+                                                          self.requests[s.request_id].num_preemptions)
                                            for s in output.scheduled}
         return output
 
@@ -268,8 +270,8 @@ class Scheduler:
 
     def _still_scheduled_as(self, output: SchedulerOutput, request: Request) -> bool:
         """Pipelined: whether `request` is as `output` scheduled it (not preempted since)."""
-        counts = self._in_flight.get(id(output))
-        return counts is not None and counts.get(request.request_id) == request.num_preemptions
+        scheduled_as = self._in_flight.get(id(output), {}).get(request.request_id)
+        return scheduled_as is not None and scheduled_as[0] is request and scheduled_as[1] == request.num_preemptions
 
     def void_step(self, output: SchedulerOutput) -> None:
         """The step failed: nothing it scheduled was computed (the counters were never
@@ -284,7 +286,8 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is not None and self._still_scheduled_as(output, request):  # its count went ahead: back
                 request.num_computed_tokens -= scheduled.num_scheduled_tokens
-                self._awaiting_token.discard(request.request_id)
+                if scheduled.sample:
+                    self._awaiting_token.discard(request.request_id)
         self._in_flight.pop(id(output), None)
         self._finished_since_last_step |= output.finished_request_ids
         self.connector.step_failed(output.kv_connector_metadata)
@@ -298,9 +301,10 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue
             if self.pipelined:
-                if not self._still_scheduled_as(output, request):  # preempted since: its result is void
+                if not self._still_scheduled_as(output, request):  # preempted (or replaced) since: void
                     continue
-                self._awaiting_token.discard(request.request_id)
+                if scheduled.sample:
+                    self._awaiting_token.discard(request.request_id)
             accepted = runner_output.sampled_token_ids.get(scheduled.request_id, [])
             rejected = len(scheduled.draft_token_ids) - (len(accepted) - 1) if accepted else 0
             assert rejected >= 0, f"{scheduled.request_id}: more tokens accepted than drafted"
@@ -340,7 +344,8 @@ class Scheduler:
     # ----- the three phases -----------------------------------------------------------
 
     def _schedule_decodes(self, step: StepBuilder) -> None:
-        decoding = [r for r in self.running if r.is_decoding and not step.is_taken(r.request_id) and self._may_run(r)]
+        decoding = [r for r in self.running
+                    if r.is_decoding and not step.is_taken(r.request_id) and self._schedulable(r)]
         for index, request in enumerate(decoding):
             if step.is_taken(request.request_id):  # preempted for an earlier one
                 continue
@@ -353,7 +358,7 @@ class Scheduler:
     def _schedule_prefills(self, step: StepBuilder) -> None:
         """Prompts in progress, then waiting ones, in the admission policy's order."""
         in_progress = [r for r in self.running
-                       if not r.is_decoding and not step.is_taken(r.request_id) and self._may_run(r)]
+                       if not r.is_decoding and not step.is_taken(r.request_id) and self._schedulable(r)]
         waiting = (r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS and self._may_run(r))
         admitting = True
         for request in self.admission.order(in_progress, waiting, step.now):
@@ -473,9 +478,12 @@ class Scheduler:
         return request.spec_token_ids[: max(room, 0)]
 
     def _may_run(self, request: Request) -> bool:
-        if request.request_id in self._awaiting_token:
-            return False
+        """Not kept out of the steps by the failure triage."""
         return self.only is None or request.request_id in self.only
+
+    def _schedulable(self, request: Request) -> bool:
+        """May run, and (pipelined) is not waiting for the token of a step in flight."""
+        return self._may_run(request) and request.request_id not in self._awaiting_token
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
@@ -491,9 +499,10 @@ class Scheduler:
         while self.kv.allocate_slots(request.request_id, total) is None:
             # requests kept out of steps go first: they would not run anyway
             candidates = [r for r in self.running if not step.is_taken(r.request_id)]
-            if self._in_flight:  # pipelined: a request with no step in flight loses the least
-                busy = {request_id for counts in self._in_flight.values() for request_id in counts}
-                candidates = [r for r in candidates if r.request_id not in busy] or candidates
+            if self._in_flight:  # pipelined: a request with no step in flight loses the least, then one whose
+                busy = {request_id for step in self._in_flight.values() for request_id in step}  # step samples not
+                candidates = ([r for r in candidates if r.request_id not in busy]
+                              or [r for r in candidates if r.request_id not in self._awaiting_token] or candidates)
             candidates = [r for r in candidates if not self._may_run(r)] or candidates
             victim = pick_victim(candidates, self.config.scheduling_policy, self._admission_order)
             self._preempt(victim, step)
