@@ -185,3 +185,22 @@ def test_tp3_on_smollm2_equals_tp1(default_llm):
         assert [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)] == expected
     finally:
         tp.engine.shutdown()
+
+
+def test_pp2_with_a_tbt_slo_profiles_each_stage_and_sizes_micro_batches(tmp_path, default_tokenizer):
+    """The start-up profile runs through both stages (so every micro-batch has a prediction), and
+    SLO-sized micro-batches give TP 1's outputs."""
+    model = tiny_llama(tmp_path, default_tokenizer, 2)
+    prompts = prompts_of(default_tokenizer)
+    common = dict(max_num_batched_tokens=512, num_kv_blocks=256, block_size=4, tbt_slo_ms=500)
+    expected = run(LLM(model, **common), prompts)
+    pp = LLM(model, pipeline_parallel_size=2, **common)
+    try:
+        assert_same(run(pp, prompts), expected, TOL)
+        records = list(pp.engine.step_records)
+        assert all(r.predicted_duration_s is not None for r in records), "the profile did not seed the model"
+        assert all(len(r.ranks) == 2 and all(x["p2p_s"] <= x["comm_s"] <= x["compute_s"] for x in r.ranks)
+                   for r in records)
+        assert_pool_free(pp)
+    finally:
+        pp.engine.shutdown()
