@@ -56,11 +56,31 @@ def completions(server: Server) -> list[str]:
     return [choice["text"] for choice in sorted(response.json()["choices"], key=lambda c: c["index"])]
 
 
+def processes() -> dict[int, tuple[int, list[str]]]:
+    """Every live process: pid -> (parent pid, command line), from /proc."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(") ", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        found[int(entry)] = (parent, argv)
+    return found
+
+
 def rank_pids(port: int) -> list[int]:
-    """The worker rank processes whose control socket is on `port` + 1."""
-    found = subprocess.run(["pgrep", "-f", f"rank_process --rank [0-9]+ --control tcp://127.0.0.1:{port + 1}"],
-                           capture_output=True, text=True).stdout.split()
-    return [int(pid) for pid in found]
+    """The worker rank processes whose control socket is on `port` + 1, in rank order."""
+    control = f"tcp://127.0.0.1:{port + 1}"
+    ranks = {}
+    for pid, (_, argv) in processes().items():
+        if "chunkserve.executor.rank_process" in argv and control in argv and not _zombie(pid):
+            ranks[int(argv[argv.index("--rank") + 1])] = pid
+    return [ranks[rank] for rank in sorted(ranks)]
 
 
 def shm_segments() -> set[str]:
@@ -124,27 +144,26 @@ def test_two_nodes_through_torchrun_equal_tp1(tmp_path_factory, tiny_dir, expect
     serve = ["-m", "chunkserve", "serve", "--model", tiny_dir, "--num-kv-blocks", "64", "-tp", "2",
              "--port", str(http_port), "--api-key", API_KEY]
     folder = tmp_path_factory.mktemp("torchrun")
-    processes = []
+    launched = []
     env = {**os.environ, "CHUNKSERVE_API_KEY": "", "CHUNKSERVE_ADMIN_API_KEY": ""}
     for node in (0, 1):
         with open(folder / f"node{node}.log", "w") as out:
-            processes.append(subprocess.Popen([*torchrun, "--node-rank", str(node), *serve], stdout=out,
-                                              stderr=subprocess.STDOUT, env=env))
-    server = Server(processes[0], f"http://127.0.0.1:{http_port}", str(folder / "node0.log"))
+            launched.append(subprocess.Popen([*torchrun, "--node-rank", str(node), *serve], stdout=out,
+                                             stderr=subprocess.STDOUT, env=env))
+    server = Server(launched[0], f"http://127.0.0.1:{http_port}", str(folder / "node0.log"))
     try:
         wait_until_up(server)
         assert completions(server) == expected
         pids = rank_pids(port)
         assert len(pids) == 2
         # torchrun's agent exits with an error on a signal of its own; a stopped server is a success
-        node0_server = int(subprocess.run(["pgrep", "-P", str(processes[0].pid)], capture_output=True,
-                                          text=True).stdout.split()[0])
+        node0_server = next(pid for pid, (parent, _) in processes().items() if parent == launched[0].pid)
         os.kill(node0_server, signal.SIGTERM)
-        assert processes[0].wait(60) == 0, open(folder / "node0.log").read()
-        assert processes[1].wait(60) == 0, open(folder / "node1.log").read()
+        assert launched[0].wait(60) == 0, open(folder / "node0.log").read()
+        assert launched[1].wait(60) == 0, open(folder / "node1.log").read()
         assert wait_gone(pids, 10) == []
     finally:
-        for process in processes:
+        for process in launched:
             if process.poll() is None:
                 process.kill()
 
@@ -168,7 +187,7 @@ def test_a_worker_killed_mid_stream_fails_its_requests_and_health_within_seconds
                         events.append(line[6:])
                         if len(events) == 5:
                             killed_at = time.monotonic()
-                            os.kill(max(pids), signal.SIGKILL)  # rank 1 (started last)
+                            os.kill(pids[1], signal.SIGKILL)
             except httpx.TransportError as error:  # the server may go before the stream's end is sent
                 ended = error
         assert len(events) >= 5 and time.monotonic() - killed_at < 30
@@ -199,7 +218,7 @@ def test_a_worker_killed_while_idle_fails_health_within_seconds(tmp_path_factory
                           "--master-port", str(port), name="idle-kill")
     try:
         pids = rank_pids(port)
-        os.kill(min(pids), signal.SIGKILL)  # rank 0; nothing is running
+        os.kill(pids[0], signal.SIGKILL)  # rank 0; nothing is running
         killed_at = time.monotonic()
         assert server.process.wait(30) != 0
         assert time.monotonic() - killed_at < 15, "the engine took too long to notice its dead worker"
