@@ -85,12 +85,16 @@ def tiny_model_dir(request, tmp_path_factory, default_tokenizer):
     return str(folder)
 
 
+def has_cxx_compiler() -> bool:
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
 @pytest.fixture(scope="session")
 def cpp_ops():
     """The worker's C++ ops. Wherever a C++ compiler exists they must build (a failed build
     fails the test); only a machine with no compiler at all skips, and there the engine serves
     with plain torch, whose fallback tests/ops/test_cpp_ops.py checks."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    if not has_cxx_compiler():
         pytest.skip("no C++ compiler on this machine; the engine falls back to plain torch")
     from chunkserve.ops.cpp_ops import build_cpp_ops
 

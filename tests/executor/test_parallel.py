@@ -11,6 +11,7 @@ import torch
 
 from chunkserve import LLM, InvalidRequestError, SamplingParams
 from tests.conftest import tiny_hf_config
+from tests.entrypoints.test_llm import assert_pool_free
 
 TOL = 1e-4
 HF_TOL = 2e-3  # transformers' attention sums in another order over the whole sequence
@@ -74,11 +75,6 @@ def hf_logprobs(model_dir: str, prompt: list[int], tokens: list[int]) -> list[fl
         logits = model(torch.tensor([prompt + tokens])).logits[0].float()
     rows = logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)].log_softmax(-1)
     return [rows[i, t].item() for i, t in enumerate(tokens)]
-
-
-def assert_pool_free(llm: LLM) -> None:
-    kv = llm.engine.engine_core.scheduler.kv
-    assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
 
 
 @pytest.mark.parametrize("budget", [16, 64, 512])
