@@ -18,6 +18,7 @@ from chunkserve.config.scheduler import (
     ChunkSchedule,
     SchedulerConfig,
 )
+from chunkserve.config.speculative import SpeculativeConfig
 from chunkserve.errors import InvalidRequestError
 
 DTYPES = ("float32", "bfloat16")
@@ -179,6 +180,12 @@ class EngineArgs:
         "linear layers of small batches, fused norm/rotary/SiLU; torch = plain torch (the reference); auto = "
         "cpp where it builds", choices=OP_BACKENDS
     )
+    speculative_config: str | dict | None = arg(
+        None, "speculative decoding, as JSON (vLLM's shape): '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}', or '{\"method\": \"draft_model\", \"model\": PATH, "
+        "\"num_speculative_tokens\": 4}'; \"policy\": \"auto\" (default: drafts only while they pay, by the "
+        "step-time model) or \"always\""
+    )
     seed: int = arg(0, "seed of the sampler for requests that give none")
     max_prompt_chars: int | None = arg(
         None, f"longer prompts are refused before they are tokenized (default: {CHARS_PER_TOKEN_BOUND} x max_model_len)"
@@ -237,6 +244,13 @@ class EngineArgs:
         if parallel.world_size > 1 and (self.disaggregation_mode != "null" or self.enable_hierarchical_cache):
             fail("tensor/pipeline parallelism cannot be combined with disaggregation_mode or "
                  "enable_hierarchical_cache yet (their KV connectors move one rank's KV pool)")
+        speculative = self.speculative()  # checks the JSON
+        if speculative is not None and parallel.pipeline_parallel_size > 1:
+            fail("speculative decoding is not supported with pipeline parallelism (as in vLLM): a request's drafts "
+                 "come from the tokens of its step still in flight; use --pipeline-parallel-size 1")
+        if speculative is not None and speculative.drafts_in_worker and parallel.world_size > 1:
+            fail('speculative_config method "draft_model" is not supported with tensor parallelism yet (the draft '
+                 'model is not sharded); "ngram" is')
         if self.block_size < 1:
             fail(f"block_size must be positive, got {self.block_size}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
@@ -279,6 +293,9 @@ class EngineArgs:
             if value is not None and value < 1:
                 fail(f"{name} must be positive, got {value}")
 
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
+
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.nnodes, self.node_rank,
                               self.master_addr, self.master_port, parse_layer_partition(self.pp_layer_partition))
@@ -310,7 +327,7 @@ class EngineArgs:
                 budget = DEFAULT_SLO_BUDGET if self.tbt_slo_ms is not None else DEFAULT_CHUNKED_BUDGET
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else min(DEFAULT_MAX_NUM_SEQS, budget)
         resolved = {"max_model_len", "max_num_batched_tokens", "max_num_seqs", "chunk_schedule", "max_steps_in_flight",
-                    "send_token_ids"}
+                    "send_token_ids", "speculative"}
         names = {f.name for f in dataclasses.fields(SchedulerConfig)} - resolved
         return SchedulerConfig(
             max_model_len=max_model_len,
@@ -319,5 +336,6 @@ class EngineArgs:
             chunk_schedule=None if self.chunk_schedule is None else ChunkSchedule.parse(self.chunk_schedule),
             max_steps_in_flight=self.pipeline_parallel_size,
             send_token_ids=self.ranks_take_tokens_from_steps,
+            speculative=self.speculative(),
             **{n: getattr(self, n) for n in names},
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from chunkserve.config.speculative import SpeculativeConfig
 from chunkserve.errors import InvalidRequestError
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -79,6 +80,7 @@ class SchedulerConfig:
     # the workers take every request's tokens from the steps (ScheduledRequest.new_token_ids) instead of
     # keeping what they sampled: with several ranks, only one samples
     send_token_ids: bool = False
+    speculative: SpeculativeConfig | None = None
 
     @property
     def chunk_alignment(self) -> int:

@@ -84,7 +84,9 @@ class EngineCore:
         self._kv_transfer_bytes = 0  # the connector's running total at the last record
         # pipelined: steps handed to the executor whose outputs are not back, oldest first
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float, float, float]] = deque()
-        if self.scheduler_config.tbt_slo_ms is not None or self.scheduler_config.ttft_slo_ms is not None:
+        speculative = self.scheduler_config.speculative
+        if (self.scheduler_config.tbt_slo_ms is not None or self.scheduler_config.ttft_slo_ms is not None
+                or (speculative is not None and speculative.policy == "auto")):  # (these plan with the model)
             self._profile_step_time()
         logger.info("engine core ready: %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_config.architecture, num_blocks, config.block_size, self.max_model_len)
@@ -376,6 +378,9 @@ class EngineCore:
             prefix_cache_hits=scheduled.prefix_cache_hits,
             prefix_cache_hit_rate=hit_rate(self.scheduler.prefix_cache_hits, self.scheduler.prefix_cache_queries),
             kv_transfer_bytes=moved,
+            num_draft_tokens=sum(len(s.draft_token_ids) for s in scheduled.scheduled),
+            num_accepted_tokens=sum(len(runner_output.sampled_token_ids.get(s.request_id, ())) - 1
+                                    for s in scheduled.scheduled if s.draft_token_ids),
             request_ids=tuple(s.request_id for s in scheduled.scheduled) if pipelined else (),
             sampled_request_ids=tuple(s.request_id for s in scheduled.scheduled if s.sample) if pipelined else (),
             ranks=tuple(dataclasses.asdict(r) for r in runner_output.rank_stats) if len(runner_output.rank_stats) > 1

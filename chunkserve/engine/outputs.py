@@ -64,6 +64,8 @@ class StepRecord:
     prefix_cache_hits: int  # of those, found in the prefix cache
     prefix_cache_hit_rate: float  # hits / queries since the engine started
     kv_transfer_bytes: int = 0  # disaggregated: KV bytes sent (prefill) or copied in (decode) since the last record
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified in the step
+    num_accepted_tokens: int = 0  # of those, accepted
     # pipelined (the step was in flight from start_time for duration_s, beside others): the requests it
     # computed, decodes first, and those of them it sampled
     request_ids: tuple[str, ...] = ()

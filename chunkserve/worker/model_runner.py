@@ -13,6 +13,7 @@ rather than from their own sampling, so they all hold the same histories."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from chunkserve.core.kv_connector import KVConnectorWorker, NoOpConnector
@@ -25,15 +26,18 @@ from chunkserve.ops.model_ops import TORCH_OPS
 from chunkserve.worker.input_batch import build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_pool, layer_caches, read_blocks, write_blocks
 from chunkserve.worker.persistent_batch import PersistentBatch
-from chunkserve.worker.sampler import InvalidRowsError, SamplingState, gather_logprobs, sample
+from chunkserve.worker.sampler import InvalidRowsError, SamplingState, gather_logprobs, sample_runs
+from chunkserve.worker.draft_model import DraftModelProposer
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int, seed: int,
                  op_backend: str = "auto", kv_connector: KVConnectorWorker | None = None,
-                 kv_config: ModelConfig | None = None, tokens_from_steps: bool = False) -> None:
+                 kv_config: ModelConfig | None = None, tokens_from_steps: bool = False,
+                 drafter: DraftModelProposer | None = None) -> None:
         """`kv_config`: the shape of this rank's share of the KV (its layers and KV heads; default
-        `config`, all of them)."""
+        `config`, all of them). `drafter`: speculative decoding's draft model, which proposes the
+        next drafts of the requests the scheduler asks (`num_draft_proposals`)."""
         self.model = model
         self.parallel = model.parallel
         self.vocab_size = config.vocab_size
@@ -49,10 +53,13 @@ class ModelRunner:
         # told per layer when KV may be read and was written; None skips the calls of a no-op
         self._layer_connector = None if isinstance(self.kv_connector, NoOpConnector) else self.kv_connector
         self.persistent_batch = PersistentBatch()
+        self.drafter = drafter
         # The C++ ops are float32 only; other dtypes keep plain torch.
         self.cpp_ops = cpp_ops_for(op_backend if self.dtype == torch.float32 else "torch")
         self.attention_kernels = None if self.cpp_ops is None else self.cpp_ops.attention_kernels()
         model.set_ops(TORCH_OPS if self.cpp_ops is None else self.cpp_ops.model_ops())
+        if drafter is not None:
+            drafter.bind(self.dtype, num_blocks, block_size, self.cpp_ops, self.attention_kernels)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -91,9 +98,6 @@ class ModelRunner:
         return result
 
     def _forward_and_sample(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        if any(s.draft_token_ids for s in output.scheduled):
-            raise NotImplementedError("draft tokens were scheduled, but this runner has no speculative decoding "
-                                      "to verify them")
         persistent = self.persistent_batch
         sampling = persistent.sampling
         scheduled = output.scheduled
@@ -115,24 +119,32 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if logits is None:  # a tensor-parallel rank that only lent its vocabulary shard
             return
-        states = [sampling[request_id] for request_id in batch.sample_request_ids]
+        ids = batch.sample_request_ids
+        states = [sampling[request_id] for request_id in ids]
+        by_id = {s.request_id: s for s in scheduled}
+        drafts = [by_id[request_id].draft_token_ids for request_id in ids]
+        first_rows = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]])  # each request's first logits row
         wants_logprobs = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-        raw_logprobs = logits[wants_logprobs].log_softmax(dim=-1) if wants_logprobs else None
+        logprob_rows = [first_rows[i] + j for i in wants_logprobs for j in range(1 + len(drafts[i]))]
+        raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if wants_logprobs else None
         try:
-            tokens = sample(logits, states, self.generator)  # modifies logits in place
+            runs = sample_runs(logits, states, drafts, self.generator)  # modifies logits in place
         except InvalidRowsError as error:
-            culprits = [batch.sample_request_ids[row] for row in error.rows]
+            culprits = [ids[index] for index in error.rows]
             raise RequestFailedError("sampling failed: the request's logits, after its penalties and temperature, "
                                      "are not a probability distribution (NaN or infinite)", culprits) from None
-        if wants_logprobs:
-            records = gather_logprobs(
-                raw_logprobs, [tokens[i] for i in wants_logprobs], [states[i].params.logprobs for i in wants_logprobs]
-            )
-            result.logprobs = {batch.sample_request_ids[i]: [r] for i, r in zip(wants_logprobs, records)}
+        if wants_logprobs:  # one record per accepted token, from the row that scored it
+            where = {row: i for i, row in enumerate(logprob_rows)}
+            rows = [where[first_rows[i] + j] for i in wants_logprobs for j in range(len(runs[i]))]
+            records = iter(gather_logprobs(raw_logprobs[rows], [t for i in wants_logprobs for t in runs[i]],
+                                           [states[i].params.logprobs for i in wants_logprobs for _ in runs[i]]))
+            result.logprobs = {ids[i]: [next(records) for _ in runs[i]] for i in wants_logprobs}
         if not self.tokens_from_steps:
-            for state, token in zip(states, tokens):  # the step succeeded: only now does any state change
-                state.token_ids.append(token)
-        result.sampled_token_ids = {request_id: [token] for request_id, token in zip(batch.sample_request_ids, tokens)}
+            for state, run in zip(states, runs):  # the step succeeded: only now does any state change
+                state.token_ids.extend(run)
+        result.sampled_token_ids = dict(zip(ids, runs))
+        if self.drafter is not None:
+            result.draft_token_ids = self.drafter.propose(batch, scheduled, token_ids, tables, result.sampled_token_ids)
 
     def _new_state(self, new: NewRequestData) -> tuple[SamplingState, str | None]:
         """The request's sampler state, and what is wrong with its data, if anything (the

@@ -4,7 +4,7 @@ whatever else shares the batch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,23 +39,89 @@ def sample(logits: torch.Tensor, states: list[SamplingState], default_generator:
     """logits: float32 [R, vocab], one row per state -> R token ids. Every row is checked
     before anything is drawn, so an InvalidRowsError leaves every generator untouched and the
     step can be retried without the rows it names."""
-    _apply_penalties(logits, states)
-    _mask_stops_before_min_tokens(logits, states)
-    greedy = [s.params.is_greedy for s in states]
+    return [run[0] for run in sample_runs(logits, states, [[] for _ in states], default_generator)]
+
+
+def sample_runs(logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]],
+                default_generator: torch.Generator) -> list[list[int]]:
+    """Speculative verification: state i owns 1 + len(drafts[i]) consecutive rows of `logits`
+    (float32 [rows, vocab]; row j scores the token after the state's tokens and its first j
+    drafts). Returns per state its accepted drafts, then one token of its own: the target's
+    choice at the first rejected draft, or after the last draft (the bonus token). Without
+    drafts that is one sampled token per state.
+
+    Greedy rows accept a draft while it is the argmax. Sampled rows use rejection sampling for a
+    draft proposed deterministically (n-gram lookup, a greedy draft model): accept draft d with
+    probability p(d) under the target's filtered distribution p, else draw from p without d
+    (renormalised); the tokens are then distributed exactly as sampling from the target one at
+    a time. A seeded request draws every uniform from its own generator.
+
+    Penalties and min_tokens see a row's earlier drafts as the request's tokens, as they would
+    be had those tokens been sampled one step at a time. Every row is checked before anything
+    is drawn: an InvalidRowsError names states (not rows) and leaves every generator untouched."""
+    row_states, owner = [], []
+    for index, (state, state_drafts) in enumerate(zip(states, drafts)):
+        row_states.append(state)
+        row_states.extend(replace(state, token_ids=state.token_ids + state_drafts[:j])
+                          for j in range(1, len(state_drafts) + 1))
+        owner.extend([index] * (1 + len(state_drafts)))
+    _apply_penalties(logits, row_states)
+    _mask_stops_before_min_tokens(logits, row_states)
     chosen = logits.argmax(dim=-1)
     # argmax picks a NaN where a row has one, so checking the picked logits checks the greedy rows
     bad = (~logits.gather(1, chosen.unsqueeze(1)).squeeze(1).isfinite()).tolist()
-    random_rows = [i for i, g in enumerate(greedy) if not g]
+    random_rows = [i for i, s in enumerate(row_states) if not s.params.is_greedy]
+    probs = cdf = None
     if random_rows:
-        cdf = _filtered_probs(logits[random_rows], [states[i].params for i in random_rows]).double().cumsum(dim=-1)
+        probs = _filtered_probs(logits[random_rows], [row_states[i].params for i in random_rows]).double()
+        cdf = probs.cumsum(dim=-1)
         totals = cdf[:, -1]
         for row, valid in zip(random_rows, ((totals > 0) & totals.isfinite()).tolist()):
             bad[row] = not valid
     if any(bad):
-        raise InvalidRowsError([i for i, b in enumerate(bad) if b])
-    if random_rows:
-        chosen[random_rows] = _draw(cdf, [states[i].generator for i in random_rows], default_generator)
-    return chosen.tolist()
+        raise InvalidRowsError(sorted({owner[i] for i, b in enumerate(bad) if b}))
+    chosen = chosen.tolist()
+    position = {row: i for i, row in enumerate(random_rows)}  # row -> its index in probs / cdf
+    runs: list[list[int]] = []
+    last_draws: list[tuple[int, int]] = []  # (state index, row): its last token is drawn from the row below
+    row = 0
+    for index, (state, state_drafts) in enumerate(zip(states, drafts)):
+        run: list[int] = []
+        for draft in state_drafts:
+            if state.params.is_greedy:
+                accepted = chosen[row] == draft
+            else:
+                p = probs[position[row]]
+                uniform = torch.rand(1, generator=state.generator or default_generator, dtype=torch.float64)
+                accepted = bool(uniform * p.sum() < p[draft])
+            if not accepted:
+                break
+            run.append(draft)
+            row += 1
+        else:
+            last_draws.append((index, row))
+            run.append(-1)  # drawn below, with every row that samples plainly
+            runs.append(run)
+            row += 1
+            continue
+        if state.params.is_greedy:
+            run.append(chosen[row])
+        else:  # rejected: the target's distribution without the draft
+            residual = probs[position[row]].clone()
+            residual[state_drafts[len(run)]] = 0.0
+            run.append(int(_draw(residual.cumsum(dim=-1).unsqueeze(0), [state.generator], default_generator)[0]))
+        runs.append(run)
+        row += len(state_drafts) - len(run) + 2  # past the request's remaining rows
+    drawn = [(index, row) for index, row in last_draws if not states[index].params.is_greedy]
+    if drawn:
+        tokens = _draw(cdf[[position[row] for _, row in drawn]], [states[i].generator for i, _ in drawn],
+                       default_generator).tolist()
+        for (index, _), token in zip(drawn, tokens):
+            runs[index][-1] = token
+    for index, row in last_draws:
+        if states[index].params.is_greedy:
+            runs[index][-1] = chosen[row]
+    return runs
 
 
 def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:

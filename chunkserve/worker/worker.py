@@ -35,7 +35,8 @@ from chunkserve.sampling_params import SamplingParams
 from chunkserve.worker.disagg.decode import DecodeConnectorWorker
 from chunkserve.worker.disagg.prefill import PrefillConnectorWorker
 from chunkserve.worker.disk_tier import DiskTierWorker
-from chunkserve.worker.kv_cache import num_blocks_for_memory
+from chunkserve.worker.draft_model import DraftModelProposer
+from chunkserve.worker.kv_cache import kv_bytes_per_token, num_blocks_for_memory
 from chunkserve.worker.model_runner import ModelRunner
 
 
@@ -56,6 +57,13 @@ class Worker:
         self.parallel = self._join_world() if self.parallel_config.world_size > 1 else ParallelContext.single()
         self.kv_connector = kv_connector
         self.model: LlamaModel | None = None
+        self.speculative = config.speculative()
+        self.draft_source: ModelSource | None = None
+        self.draft_config: ModelConfig | None = None
+        if self.speculative is not None and self.speculative.drafts_in_worker:
+            self.draft_source = resolve_model(self.speculative.model)
+            self.draft_config = load_model_config(self.draft_source)
+        self.drafter: DraftModelProposer | None = None
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
 
@@ -73,15 +81,25 @@ class Worker:
         return self.parallel.kv_config(self.model_config)
 
     def determine_num_kv_blocks(self) -> int:
-        """KV blocks that fit `kv_cache_memory_gb` (per rank: its share of the KV), or exactly `num_kv_blocks`."""
+        """KV blocks that fit `kv_cache_memory_gb` (per rank: its share of the KV; with a draft
+        model, the draft's KV of every block too), or exactly `num_kv_blocks`."""
         config = self.config
         if config.num_kv_blocks:
             return config.num_kv_blocks
-        return num_blocks_for_memory(self.kv_config, TORCH_DTYPES[config.dtype], config.kv_cache_memory_gb,
-                                     config.block_size)
+        dtype = TORCH_DTYPES[config.dtype]
+        per_token = kv_bytes_per_token(self.kv_config, dtype)
+        if self.draft_config is not None:
+            per_token += kv_bytes_per_token(self.draft_config, dtype)
+        return num_blocks_for_memory(per_token, config.kv_cache_memory_gb, config.block_size)
 
     def load_model(self, max_model_len: int) -> None:
         self.model = load_model(self.source, self.model_config, self.config.dtype, max_model_len, self.parallel)
+        if self.draft_config is not None:
+            if self.draft_config.max_position_embeddings < max_model_len:
+                raise InvalidRequestError(f"the draft model's limit ({self.draft_config.max_position_embeddings} "
+                                          f"tokens) is below max_model_len ({max_model_len})")
+            draft = load_model(self.draft_source, self.draft_config, self.config.dtype, max_model_len)
+            self.drafter = DraftModelProposer(draft, self.draft_config, self.model_config.vocab_size, max_model_len)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV pool and the runner over it (after `load_model`); with
@@ -93,7 +111,7 @@ class Worker:
             self.kv_connector = self._default_connector()
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size, config.seed,
                                   config.op_backend, self.kv_connector, self.kv_config,
-                                  tokens_from_steps=config.ranks_take_tokens_from_steps)
+                                  tokens_from_steps=config.ranks_take_tokens_from_steps, drafter=self.drafter)
 
     def _default_connector(self) -> KVConnectorWorker | None:
         """The worker's side of the connector the flags ask for (the engine core builds its other side)."""

@@ -48,6 +48,7 @@ class ScheduledRequest:
     sample: bool  # True when this step completes all known tokens, so its last row(s) are sampled
     is_decode: bool  # the request's prompt is done: its last sampled token (and any drafts)
     draft_token_ids: list[int] = field(default_factory=list)  # drafts after the last token, to verify
+    num_draft_proposals: int = 0  # with a draft model: drafts it proposes after this step, for the next one
     # with SchedulerConfig.send_token_ids: the request's tokens from position `token_ids_from` on that the
     # workers may lack (its latest sampled tokens); a worker that has them already overwrites them
     new_token_ids: list[int] = field(default_factory=list)
@@ -220,6 +221,22 @@ class KVTransferStats:
 
 
 @dataclass(frozen=True)
+class SpecDecodeStats:
+    """Running totals (vLLM's `spec_decode_*` counters): draft runs verified, draft tokens
+    verified, drafts accepted, and accepted drafts by position in their run (0 = first)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying decode makes per step: its own plus its accepted drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     """The scheduler's queues and KV pool at one moment (what /metrics shows as gauges)."""
 
@@ -233,6 +250,7 @@ class SchedulerStats:
     prefix_cache_hits_total: int  # of those, found there
     kv_tier: KVTierStats | None = None  # the KV connector's tier (disk tier), when it has one
     kv_transfer: KVTransferStats | None = None  # prefill/decode disaggregation's transfers, when disaggregated
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counts, when it is configured
 
     @property
     def prefix_cache_hit_rate(self) -> float:

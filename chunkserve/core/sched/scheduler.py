@@ -60,6 +60,8 @@ from chunkserve.core.sched.output import (
 )
 from chunkserve.core.sched.preemption import pick_victim
 from chunkserve.core.sched.step_builder import StepBuilder
+from chunkserve.core.spec.ngram import NgramProposer
+from chunkserve.core.spec.policy import DraftPolicy
 from chunkserve.core.step_predictor import StepTimePredictor
 from chunkserve.core.stop import check_stop
 from chunkserve.errors import InvalidRequestError, ServerOverloadedError
@@ -98,6 +100,10 @@ class Scheduler:
         # while the engine searches for the request that makes steps fail, only these run (the others
         # keep their blocks and wait); None: every request may run
         self.only: set[str] | None = None
+        spec = config.speculative
+        self.draft_policy = None if spec is None else DraftPolicy(spec, predictor)
+        self.ngram = None if spec is None or spec.drafts_in_worker else NgramProposer(
+            spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens of requests admitted for the first time (cumulative)
         self.prefix_cache_hits = 0  # of those, found in the prefix cache
@@ -187,6 +193,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions,
             prefix_cache_queries_total=self.prefix_cache_queries,
             prefix_cache_hits_total=self.prefix_cache_hits,
+            spec_decode=None if self.draft_policy is None else self.draft_policy.stats(),
             **_connector_stats(self.connector.get_kv_connector_stats()),
         )
 
@@ -220,6 +227,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = StepBuilder(self.config.max_num_batched_tokens, self._clock())
+        if self.draft_policy is not None and self.ngram is None:
+            step.decode_contexts = self._decode_contexts()
         if self.config.enable_mixed_batch:
             self._schedule_decodes(step)
             self._schedule_prefills(step)
@@ -296,6 +305,7 @@ class Scheduler:
         """Advance the counters by what was computed and verified, append accepted tokens,
         apply the token-level stops. Returns what is new for every request that got tokens."""
         outputs = self._connector_progress(runner_output)
+        continuing: list[Request] = []  # got tokens and runs on: its next drafts are proposed below
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.is_finished:
@@ -315,6 +325,9 @@ class Scheduler:
             if not accepted:
                 self.kv.cache_full_blocks(request, computed)
                 continue
+            if self.draft_policy is not None:
+                self.draft_policy.observe(request.request_id, len(scheduled.draft_token_ids), len(accepted) - 1)
+                self.draft_policy.observe_next_token(request.request_id, accepted[0])
             status = None
             for count, token_id in enumerate(accepted, 1):
                 request.output_token_ids.append(token_id)
@@ -329,10 +342,28 @@ class Scheduler:
                 self._finish(request, status)
             else:
                 request.spec_token_ids = list(runner_output.draft_token_ids.get(request.request_id, ()))
+                continuing.append(request)
             logprobs = runner_output.logprobs.get(request.request_id)
             outputs.append(self.output_of(request, accepted[:count], None if logprobs is None else logprobs[:count]))
         self._in_flight.pop(id(output), None)
+        if self.ngram is not None and continuing:
+            self._propose_ngrams(continuing)
         return outputs
+
+    def _propose_ngrams(self, requests: list[Request]) -> None:
+        """Each request's n-gram drafts for its next step, as many as the draft policy says pay
+        (a proposal it does not get stays as its shadow, to keep its acceptance rate current)."""
+        contexts = self._decode_contexts()
+        for request in requests:
+            proposal = self.ngram.propose(request.all_token_ids, self.config.max_model_len)
+            k = self.draft_policy.num_drafts(request.request_id, len(proposal), contexts,
+                                             request.num_computed_tokens)
+            request.spec_token_ids = proposal[:k]
+            self.draft_policy.set_shadow(request.request_id, proposal[0] if proposal and not k else None)
+
+    def _decode_contexts(self) -> list[int]:
+        """The context lengths of the running requests' next decodes (prompts finished)."""
+        return [r.num_computed_tokens for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
 
     @staticmethod
     def output_of(request: Request, new_token_ids: list[int], new_logprobs=None) -> EngineCoreOutput:
@@ -471,10 +502,9 @@ class Scheduler:
     # ----- helpers --------------------------------------------------------------------
 
     def _drafts_that_fit(self, request: Request, budget: int) -> list[int]:
-        """The request's drafts, trimmed to the budget left beside its own token, to the
-        output it may still produce and to the model's length limit."""
-        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
-                   self.config.max_model_len - request.num_tokens)
+        """The request's drafts, trimmed to the budget left beside its own token and to the
+        output it may still produce (its proposer kept them under max_model_len)."""
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
         return request.spec_token_ids[: max(room, 0)]
 
     def _may_run(self, request: Request) -> bool:
@@ -496,6 +526,9 @@ class Scheduler:
         """Schedule a running request, preempting others (or, as a last resort, itself)
         until its blocks fit."""
         total = request.num_computed_tokens + chunk.num_tokens
+        proposals = self._draft_model_proposals(request, chunk, step, drafts or [])
+        if proposals and self.kv.allocate_slots(request.request_id, total + proposals) is None:
+            proposals = 0  # no blocks for the draft model's lookahead: no drafts rather than a preemption
         while self.kv.allocate_slots(request.request_id, total) is None:
             # requests kept out of steps go first: they would not run anyway
             candidates = [r for r in self.running if not step.is_taken(r.request_id)]
@@ -508,9 +541,23 @@ class Scheduler:
             self._preempt(victim, step)
             if victim is request:
                 return
-        self._add_to_step(request, chunk, step, drafts or [])
+        self._add_to_step(request, chunk, step, drafts or [], proposals)
 
-    def _add_to_step(self, request: Request, chunk: Chunk, step: StepBuilder, drafts: list[int] = ()) -> None:
+    def _draft_model_proposals(self, request: Request, chunk: Chunk, step: StepBuilder, drafts: list[int]) -> int:
+        """With a draft model: how many drafts it should propose for the request after this step,
+        if the step samples it (the slots they are computed in are allocated with the step's)."""
+        if self.draft_policy is None or self.ngram is not None:
+            return 0
+        if request.num_computed_tokens + chunk.num_tokens - len(drafts) != request.num_tokens:
+            return 0  # a prompt chunk that does not finish the prompt samples nothing
+        context = request.num_tokens + len(drafts)  # (at most: the bonus token's position)
+        room = min(self.config.speculative.num_speculative_tokens, self.config.max_model_len - 1 - context,
+                   request.max_tokens - request.num_output_tokens - 2 - len(drafts))
+        contexts = step.decode_contexts if request.is_decoding else [*step.decode_contexts, request.num_tokens]
+        return self.draft_policy.num_drafts(request.request_id, room, contexts, context)
+
+    def _add_to_step(self, request: Request, chunk: Chunk, step: StepBuilder, drafts: list[int] = (),
+                     proposals: int = 0) -> None:
         request_id = request.request_id
         if request.first_scheduled_time is None:
             request.first_scheduled_time = step.now
@@ -520,7 +567,7 @@ class Scheduler:
         table = self.kv.block_table(request_id)
         sent = self._blocks_sent.get(request_id)
         self._blocks_sent[request_id] = len(table)
-        step.add(request, chunk.num_tokens, table[sent or 0:], sent is None, list(drafts))
+        step.add(request, chunk.num_tokens, table[sent or 0:], sent is None, list(drafts), proposals)
         if self.pipelined:
             request.num_computed_tokens += chunk.num_tokens
             if step.scheduled[-1].sample:
@@ -553,6 +600,8 @@ class Scheduler:
         self._remote_kv_tokens.pop(request_id, None)
         self._tokens_sent.pop(request_id, None)
         self._awaiting_token.discard(request_id)
+        if self.draft_policy is not None:
+            self.draft_policy.forget(request_id)
         self.chunking.forget(request_id)
         del self.requests[request_id]
         self._resend_as_new.discard(request_id)

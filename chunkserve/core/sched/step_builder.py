@@ -20,6 +20,7 @@ class StepBuilder:
         self.preempted: set[str] = set()
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.decode_contexts: list[int] = []  # with a draft model: the running decodes' context lengths
         self._num_tokens: dict[str, int] = {}
 
     def count_prefix_query(self, num_tokens: int, num_cached: int) -> None:
@@ -34,7 +35,7 @@ class StepBuilder:
         return self._num_tokens.get(request_id, 0)
 
     def add(self, request: Request, num_tokens: int, new_block_ids: list[int], resets_block_table: bool,
-            drafts: list[int]) -> None:
+            drafts: list[int], num_draft_proposals: int = 0) -> None:
         assert 0 < num_tokens <= self.budget, f"{num_tokens} tokens exceed the step budget {self.budget}"
         self.budget -= num_tokens
         self.num_rows += num_tokens
@@ -51,5 +52,6 @@ class StepBuilder:
                 sample=request.num_computed_tokens + num_tokens - len(drafts) == request.num_tokens,
                 is_decode=is_decode,
                 draft_token_ids=drafts,
+                num_draft_proposals=num_draft_proposals,
             )
         )

@@ -67,7 +67,8 @@ class EngineMetrics:
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first output token", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Gap between consecutive output tokens", _LATENCY_BUCKETS)
+            "inter_token_latency_seconds", "Gap between a request's consecutive outputs (each step that brought it "
+            "tokens: several at once where speculative decoding accepted drafts)", _LATENCY_BUCKETS)
         self.time_per_output_token = histogram(
             "time_per_output_token_seconds", "Per request: (last - first token time) / (tokens - 1)",
             _LATENCY_BUCKETS)
@@ -123,6 +124,16 @@ class EngineMetrics:
         self.kv_transfer_preallocated = gauge(
             "kv_transfer_requests_preallocated", "Decode: requests with pre-allocated blocks and no KV yet")
         self.kv_transfer_transferring = gauge("kv_transfer_requests_transferring", "Requests whose KV is moving")
+        # speculative decoding (vLLM's names): mean acceptance length = 1 + accepted_tokens / drafts
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Draft runs verified (one per decode that carried drafts)").labels(**labels)
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified").labels(**labels)
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted").labels(**labels)
+        self.spec_decode_num_accepted_tokens_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in their run (0 = first)",
+            ("position",))
         self._totals_seen: dict[Counter, int] = {}
 
     def observe(self, record: StepRecord | None, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
@@ -148,6 +159,14 @@ class EngineMetrics:
             self._count_up_to(self.hicache_store_seconds, tier.store_seconds_total)
             self._count_up_to(self.hicache_corrupt_blocks, tier.corrupt_blocks_total)
             self.hicache_stored_bytes.set(tier.stored_bytes)
+        spec = stats.spec_decode
+        if spec is not None:
+            self._count_up_to(self.spec_decode_num_drafts, spec.num_drafts)
+            self._count_up_to(self.spec_decode_num_draft_tokens, spec.num_draft_tokens)
+            self._count_up_to(self.spec_decode_num_accepted_tokens, spec.num_accepted_tokens)
+            for position, accepted in enumerate(spec.accepted_per_pos):
+                self._count_up_to(self.spec_decode_num_accepted_tokens_per_pos.labels(
+                    **self._labels, position=str(position)), accepted)
         transfer = stats.kv_transfer
         if transfer is not None:
             unseen = transfer.transfers_total - self._totals_seen.get(self.kv_transfer_requests, 0)
@@ -199,14 +218,15 @@ class EngineMetrics:
     def _observe_output(self, output: RequestOutput) -> None:
         metrics = output.metrics
         completion = output.outputs[0]
-        if completion.new_token_ids:
-            self.generation_tokens.inc(len(completion.new_token_ids))
+        count = len(completion.new_token_ids)
+        if count:  # (several at once where speculative decoding accepted drafts)
+            self.generation_tokens.inc(count)
             times = metrics.token_times
-            if len(times) == 1:
+            if len(times) == count:
                 self.prompt_tokens.inc(len(output.prompt_token_ids))
                 self.time_to_first_token.observe(times[0] - metrics.arrival_time)
-            else:
-                self.inter_token_latency.observe(times[-1] - times[-2])
+            else:  # one gap per step that brought tokens, as vLLM
+                self.inter_token_latency.observe(times[-1] - times[-count - 1])
         if not output.finished:
             return
         self.request_success.labels(**self._labels, finished_reason=completion.finish_reason).inc()
