@@ -1,5 +1,8 @@
 """Runs one scheduled step: update the persistent batch from the scheduler's diff
 (persistent_batch.py), build the flat batch, one forward, logits for the sampling rows, sample.
+A decode that carries draft tokens (speculative decoding) has a row per draft and samples them
+all: `sample_runs` keeps the drafts the target agrees with and adds one token of its own; a
+draft model, if configured, then proposes the next drafts (docs/SPECULATIVE.md).
 
 A step changes the requests' state (their token histories, their generators) only once it has
 succeeded for every row: when it raises, the engine core can void it and run it again without
