@@ -61,7 +61,7 @@ from chunkserve.core.sched.output import (
 from chunkserve.core.sched.preemption import pick_victim
 from chunkserve.core.sched.step_builder import StepBuilder
 from chunkserve.core.spec.ngram import NgramProposer
-from chunkserve.core.spec.policy import DraftPolicy
+from chunkserve.core.spec.policy import DecodeLoad, DraftPolicy
 from chunkserve.core.step_predictor import StepTimePredictor
 from chunkserve.core.stop import check_stop
 from chunkserve.errors import InvalidRequestError, ServerOverloadedError
@@ -228,7 +228,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = StepBuilder(self.config.max_num_batched_tokens, self._clock())
         if self.draft_policy is not None and self.ngram is None:
-            step.decode_contexts = self._decode_contexts()
+            step.decode_load = self._decode_load()
         if self.config.enable_mixed_batch:
             self._schedule_decodes(step)
             self._schedule_prefills(step)
@@ -353,17 +353,16 @@ class Scheduler:
     def _propose_ngrams(self, requests: list[Request]) -> None:
         """Each request's n-gram drafts for its next step, as many as the draft policy says pay
         (a proposal it does not get stays as its shadow, to keep its acceptance rate current)."""
-        contexts = self._decode_contexts()
+        load = self._decode_load()
         for request in requests:
             proposal = self.ngram.propose(request.all_token_ids, self.config.max_model_len)
-            k = self.draft_policy.num_drafts(request.request_id, len(proposal), contexts,
-                                             request.num_computed_tokens)
+            k = self.draft_policy.num_drafts(request.request_id, len(proposal), load, request.num_computed_tokens)
             request.spec_token_ids = proposal[:k]
             self.draft_policy.set_shadow(request.request_id, proposal[0] if proposal and not k else None)
 
-    def _decode_contexts(self) -> list[int]:
-        """The context lengths of the running requests' next decodes (prompts finished)."""
-        return [r.num_computed_tokens for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+    def _decode_load(self) -> DecodeLoad:
+        """The running requests' next decodes (those whose prompts are done), one row each."""
+        return DecodeLoad.of([r.num_computed_tokens for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens])
 
     @staticmethod
     def output_of(request: Request, new_token_ids: list[int], new_logprobs=None) -> EngineCoreOutput:
@@ -553,8 +552,9 @@ class Scheduler:
         context = request.num_tokens + len(drafts)  # (at most: the bonus token's position)
         room = min(self.config.speculative.num_speculative_tokens, self.config.max_model_len - 1 - context,
                    request.max_tokens - request.num_output_tokens - 2 - len(drafts))
-        contexts = step.decode_contexts if request.is_decoding else [*step.decode_contexts, request.num_tokens]
-        return self.draft_policy.num_drafts(request.request_id, room, contexts, context)
+        load = step.decode_load if request.is_decoding else DecodeLoad(
+            step.decode_load.shape.plus(request.num_tokens, 1, is_decode=True), step.decode_load.num_decodes + 1)
+        return self.draft_policy.num_drafts(request.request_id, room, load, context)
 
     def _add_to_step(self, request: Request, chunk: Chunk, step: StepBuilder, drafts: list[int] = (),
                      proposals: int = 0) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from chunkserve.core.request import Request
 from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.spec.policy import DecodeLoad
 from chunkserve.core.step_predictor import StepShape
 
 
@@ -20,7 +21,7 @@ class StepBuilder:
         self.preempted: set[str] = set()
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self.decode_contexts: list[int] = []  # with a draft model: the running decodes' context lengths
+        self.decode_load: DecodeLoad | None = None  # with a draft model: the running decodes, for its policy
         self._num_tokens: dict[str, int] = {}
 
     def count_prefix_query(self, num_tokens: int, num_cached: int) -> None:

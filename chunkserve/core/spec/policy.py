@@ -34,6 +34,21 @@ PRIOR_TRIES = 2.0  # the global rate counts as this many tries of a request's ow
 PROBE_EVERY = 32  # steps a draft-model request goes without drafts before it is probed
 
 
+@dataclass(frozen=True)
+class DecodeLoad:
+    """The decodes of the next step, one row each (computed once per step, read per request)."""
+
+    shape: StepShape
+    num_decodes: int
+
+    @classmethod
+    def of(cls, contexts: list[int]) -> DecodeLoad:
+        shape = StepShape()
+        for context in contexts:
+            shape = shape.plus(context, 1, is_decode=True)
+        return cls(shape, len(contexts))
+
+
 @dataclass
 class _Acceptance:
     accepted: float = 0.0
@@ -56,29 +71,27 @@ class DraftPolicy:
 
     # ----- decisions ------------------------------------------------------------------------
 
-    def num_drafts(self, request_id: str, available: int, decode_contexts: list[int], context: int) -> int:
-        """How many of `available` drafts the request should verify in the next step, whose
-        decodes have these context lengths (`context`, the request's own, among them)."""
+    def num_drafts(self, request_id: str, available: int, load: DecodeLoad, context: int) -> int:
+        """How many of `available` drafts the request, at context length `context`, should
+        verify in the next step, whose decodes are `load` (the request among them)."""
         if available <= 0:
             return 0
         if self.config.policy == "always":
             return available
         state = self._requests.setdefault(request_id, _Acceptance())
-        best = self._best_k(self.rate(request_id), available, decode_contexts, context)
+        best = self._best_k(self.rate(request_id), available, load, context)
         if best == 0 and self.config.drafts_in_worker and state.steps_without_drafts >= PROBE_EVERY:
             best = available
         state.steps_without_drafts = 0 if best else state.steps_without_drafts + 1
         return best
 
-    def _best_k(self, rate: float, available: int, decode_contexts: list[int], context: int) -> int:
-        base = StepShape()
-        for c in decode_contexts:
-            base = base.plus(c, 1, is_decode=True)
-        step_time = self.predictor.predict(base) if self.predictor is not None else None
+    def _best_k(self, rate: float, available: int, load: DecodeLoad, context: int) -> int:
+        step_time = self.predictor.predict(load.shape) if self.predictor is not None else None
         if not step_time:  # no step-time model yet: the first steps (and their drafts) teach it
             return available
+        base = load.shape
         without = base.plus(context, 1, is_decode=True)
-        time_per_token = step_time / max(len(decode_contexts), 1)
+        time_per_token = step_time / max(load.num_decodes, 1)
         best, best_gain, expected = 0, 0.0, 0.0
         for k in range(1, available + 1):
             expected += rate**k
