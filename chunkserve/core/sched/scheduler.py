@@ -526,8 +526,14 @@ class Scheduler:
         until its blocks fit."""
         total = request.num_computed_tokens + chunk.num_tokens
         proposals = self._draft_model_proposals(request, chunk, step, drafts or [])
-        if proposals and self.kv.allocate_slots(request.request_id, total + proposals) is None:
-            proposals = 0  # no blocks for the draft model's lookahead: no drafts rather than a preemption
+        if proposals:  # the draft model's lookahead takes only blocks no other running request may need now
+            held = len(self.kv.block_table(request.request_id))
+            extra = max(self.kv.num_blocks_for(total + proposals) - held, 0)
+            others = sum(max(self.kv.num_blocks_for(r.num_computed_tokens + 1) - len(self.kv.block_table(r.request_id)),
+                             0) for r in self.running if r is not request and not step.is_taken(r.request_id))
+            if self.kv.num_free_blocks - extra < others or self.kv.allocate_slots(
+                    request.request_id, total + proposals) is None:
+                proposals = 0  # no drafts rather than a preemption
         while self.kv.allocate_slots(request.request_id, total) is None:
             # requests kept out of steps go first: they would not run anyway
             candidates = [r for r in self.running if not step.is_taken(r.request_id)]
