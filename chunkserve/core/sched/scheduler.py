@@ -438,7 +438,7 @@ class Scheduler:
             step.count_prefix_query(request.num_tokens, num_cached)
         self.waiting.remove(request)
         self._start_running(request)
-        self._add_to_step(request, chunk, step)
+        self._add_to_step(request, chunk, step, (), self._allocate_lookahead(request, chunk, step, []))
         return Admission.ADMITTED
 
     def _await_remote_kv(self, request: Request, cached_blocks: list[int], num_tokens: int) -> Admission:
@@ -523,17 +523,17 @@ class Scheduler:
     def _schedule_running(self, request: Request, chunk: Chunk, step: StepBuilder,
                           drafts: list[int] | None = None) -> None:
         """Schedule a running request, preempting others (or, as a last resort, itself)
-        until its blocks fit."""
-        total = request.num_computed_tokens + chunk.num_tokens
-        proposals = self._draft_model_proposals(request, chunk, step, drafts or [])
-        if proposals:  # the draft model's lookahead takes only blocks no other running request may need now
+        until its blocks fit. Its drafts are trimmed to the blocks no other running request
+        needs for its next token: drafts never cost anyone a preemption."""
+        if drafts:
             held = len(self.kv.block_table(request.request_id))
-            extra = max(self.kv.num_blocks_for(total + proposals) - held, 0)
-            others = sum(max(self.kv.num_blocks_for(r.num_computed_tokens + 1) - len(self.kv.block_table(r.request_id)),
-                             0) for r in self.running if r is not request and not step.is_taken(r.request_id))
-            if self.kv.num_free_blocks - extra < others or self.kv.allocate_slots(
-                    request.request_id, total + proposals) is None:
-                proposals = 0  # no drafts rather than a preemption
+            needed = self.kv.num_blocks_for(request.num_computed_tokens + chunk.num_tokens) - held
+            if self.kv.num_free_blocks - len(self.running) < needed:  # (else plenty: others need a block at most)
+                room = (held + self._spare_blocks(request, step)) * self.config.block_size - request.num_computed_tokens
+                drafts = drafts[: max(room - 1, 0)]
+                chunk = Chunk(1 + len(drafts))
+        total = request.num_computed_tokens + chunk.num_tokens
+        proposals = self._allocate_lookahead(request, chunk, step, drafts or [])
         while self.kv.allocate_slots(request.request_id, total) is None:
             # requests kept out of steps go first: they would not run anyway
             candidates = [r for r in self.running if not step.is_taken(r.request_id)]
@@ -547,6 +547,24 @@ class Scheduler:
             if victim is request:
                 return
         self._add_to_step(request, chunk, step, drafts or [], proposals)
+
+    def _allocate_lookahead(self, request: Request, chunk: Chunk, step: StepBuilder, drafts: list[int]) -> int:
+        """With a draft model: the drafts it proposes for the request after this step, with the
+        slots their rows write allocated, if they take no block another running request needs
+        for its next token (else none: no drafts rather than a preemption)."""
+        proposals = self._draft_model_proposals(request, chunk, step, drafts)
+        if not proposals:
+            return 0
+        total = request.num_computed_tokens + chunk.num_tokens + proposals
+        needed = self.kv.num_blocks_for(total) - len(self.kv.block_table(request.request_id))
+        if self.kv.num_free_blocks - len(self.running) < needed and needed > self._spare_blocks(request, step):
+            return 0
+        return proposals if self.kv.allocate_slots(request.request_id, total) is not None else 0
+
+    def _spare_blocks(self, request: Request, step: StepBuilder) -> int:
+        """Free blocks that no running request but `request`, not yet in the step, needs for its next token."""
+        return self.kv.num_free_blocks - sum(max(self.kv.num_blocks_for(r.num_computed_tokens + 1) - len(self.kv.block_table(r.request_id)),
+                              0) for r in self.running if r is not request and not step.is_taken(r.request_id))
 
     def _draft_model_proposals(self, request: Request, chunk: Chunk, step: StepBuilder, drafts: list[int]) -> int:
         """With a draft model: how many drafts it should propose for the request after this step,
