@@ -118,6 +118,8 @@ class ModelRunner:
             parallel.send_to_next_stage(list(hidden))
             return
         if not batch.sample_request_ids:
+            if self.drafter is not None:  # the draft model's KV follows every computed row, prompt chunks too
+                self.drafter.propose(batch, scheduled, token_ids, tables, {})
             return
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if logits is None:  # a tensor-parallel rank that only lent its vocabulary shard
@@ -142,12 +144,12 @@ class ModelRunner:
             records = iter(gather_logprobs(raw_logprobs[rows], [t for i in wants_logprobs for t in runs[i]],
                                            [states[i].params.logprobs for i in wants_logprobs for _ in runs[i]]))
             result.logprobs = {ids[i]: [next(records) for _ in runs[i]] for i in wants_logprobs}
-        if not self.tokens_from_steps:
-            for state, run in zip(states, runs):  # the step succeeded: only now does any state change
-                state.token_ids.extend(run)
         result.sampled_token_ids = dict(zip(ids, runs))
         if self.drafter is not None:
             result.draft_token_ids = self.drafter.propose(batch, scheduled, token_ids, tables, result.sampled_token_ids)
+        if not self.tokens_from_steps:
+            for state, run in zip(states, runs):  # the step succeeded: only now does any state change
+                state.token_ids.extend(run)
 
     def _new_state(self, new: NewRequestData) -> tuple[SamplingState, str | None]:
         """The request's sampler state, and what is wrong with its data, if anything (the
