@@ -4,6 +4,7 @@ SGLang fits f(l) = a*l^2 + b*l + c to a chunk's length for pipeline parallelism;
 whole mixed step, because a step is decodes plus chunks:
 
     t = c + a_p * prefill_rows + a_d * decode_rows + b_p * prefill_attention + b_d * decode_attention
+          + a_s * draft_rows
 
 where a chunk's attention work is the number of (query, key) pairs it scores, sum over its
 tokens of the keys before them (quadratic in its length: SGLang's l^2 term), and a decode's
@@ -28,9 +29,17 @@ median, never below the p99 itself. Replayed over the step traces of 25 SLO runs
 steps; benchmarks/margin_replay.py), steps slower than their margin fell from 2.0% to 0.78%
 for a 4.8% larger mean margin, where a p99.5 margin as large left 1.5%.
 
-Two windows keep recent steps: those with prompt rows and those without, so a long run of
-pure decode steps cannot push every prefill observation out (the prefill terms would then be
-unknowable). A start-up profile (`LLMEngine`) seeds both windows.
+Speculative decoding adds draft rows: a decode verifying k drafts is k + 1 decode rows, and
+its k draft rows also count on their own (`a_s`), since its rows go through attention as one
+multi-row query, which costs more per row than single-row decodes. The draft policy decides
+with this model whether drafts pay; fitted as decode rows, the drafting steps of 8 chat
+requests (SmolLM2, about 3 drafts a step) were predicted 9.6 ms longer than steps without
+drafts and ran 14.3 ms longer.
+
+Three windows keep recent steps: those with prompt rows, those with draft rows, and the rest,
+so a long run of pure decode steps cannot push every prefill or draft observation out (those
+terms would then be unknowable). A start-up profile (`LLMEngine`) seeds the first and last;
+draft rows are learned from the first steps that verify drafts.
 """
 
 from __future__ import annotations
@@ -43,8 +52,8 @@ import numpy as np
 
 from chunkserve.core.sched.output import ScheduledRequest
 
-FEATURE_NAMES = ("constant", "prefill_rows", "decode_rows", "prefill_attention", "decode_attention")
-_SCALE = np.array([1.0, 1e-3, 1e-3, 1e-6, 1e-6])  # keeps the normal equations well conditioned
+FEATURE_NAMES = ("constant", "prefill_rows", "decode_rows", "prefill_attention", "decode_attention", "draft_rows")
+_SCALE = np.array([1.0, 1e-3, 1e-3, 1e-6, 1e-6, 1e-3])  # keeps the normal equations well conditioned
 
 
 def chunk_attention(start: int, num_tokens: int) -> int:
@@ -60,6 +69,7 @@ class StepShape:
     decode_rows: int = 0
     prefill_attention: int = 0
     decode_attention: int = 0
+    draft_rows: int = 0  # of the decode rows, draft tokens verified (what they cost beyond a decode row)
 
     @classmethod
     def of(cls, scheduled: Iterable[ScheduledRequest]) -> StepShape:
@@ -79,16 +89,23 @@ class StepShape:
     def plus(self, start: int, num_tokens: int, is_decode: bool = False) -> StepShape:
         """This step with one more request's `num_tokens` rows computed from position `start`.
         A decode's rows (its last sampled token, plus any draft tokens to verify) read the KV as
-        decodes do; so does a one-row chunk, which costs the same. Other rows are a chunk."""
+        decodes do; so does a one-row chunk, which costs the same. Other rows are a chunk.
+
+        A decode's draft rows also count apart: each needs logits, as a decode row does, but
+        the request's rows go through attention as one multi-row query, which a decode row
+        does not; their own term learns what that costs beyond a decode row."""
         if is_decode or num_tokens == 1:
             return StepShape(self.prefill_rows, self.decode_rows + num_tokens, self.prefill_attention,
-                             self.decode_attention + chunk_attention(start, num_tokens))
+                             self.decode_attention + chunk_attention(start, num_tokens),
+                             self.draft_rows + num_tokens - 1)
         return StepShape(self.prefill_rows + num_tokens, self.decode_rows,
-                         self.prefill_attention + chunk_attention(start, num_tokens), self.decode_attention)
+                         self.prefill_attention + chunk_attention(start, num_tokens), self.decode_attention,
+                         self.draft_rows)
 
     @property
     def features(self) -> np.ndarray:
-        raw = (1.0, self.prefill_rows, self.decode_rows, self.prefill_attention, self.decode_attention)
+        raw = (1.0, self.prefill_rows, self.decode_rows, self.prefill_attention, self.decode_attention,
+               self.draft_rows)
         return np.asarray(raw, dtype=np.float64) * _SCALE
 
 
@@ -130,6 +147,7 @@ class StepTimePredictor:
     def __init__(self, window: int = 256, refit_every: int = 8, error_window: int = 1024,
                  margin_quantile: float = 0.99, level_window: int = 4) -> None:
         self._with_prefill: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        self._with_drafts: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self._decode_only: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self._slowdown = SlowdownMargin(error_window, margin_quantile, level_window)  # of actual / predicted
         self._refit_every = refit_every
@@ -162,14 +180,15 @@ class StepTimePredictor:
         predicted = self.predict(shape)
         if predicted and count_error:
             self._slowdown.record(seconds / predicted)
-        window = self._with_prefill if shape.prefill_rows else self._decode_only
+        window = (self._with_prefill if shape.prefill_rows else self._with_drafts if shape.draft_rows
+                  else self._decode_only)
         window.append((shape.features, seconds))
         self._since_fit += 1
         if self.coefficients is None or self._since_fit >= self._refit_every:
             self.refit()
 
     def refit(self) -> None:
-        samples = list(self._with_prefill) + list(self._decode_only)
+        samples = [*self._with_prefill, *self._with_drafts, *self._decode_only]
         if not samples:
             return
         features = np.stack([f for f, _ in samples])
@@ -183,7 +202,7 @@ class StepTimePredictor:
         if self.coefficients is None:
             return "no fit yet"
         units = ("ms", "ms per 1k prefill rows", "ms per 1k decode rows", "ms per 1M prefill (query, key) pairs",
-                 "ms per 1M decode context tokens")
+                 "ms per 1M decode context tokens", "ms per 1k draft rows")
         return " + ".join(f"{c * 1e3:.3g} {unit}" for c, unit in zip(self.coefficients, units))
 
     def error_quantiles(self) -> tuple[float, float] | None:

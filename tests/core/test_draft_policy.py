@@ -46,9 +46,9 @@ def teach(policy: DraftPolicy, request_id: str, drafted: int, accepted: int, tim
 
 
 def high_rate_policy(**kwargs) -> DraftPolicy:
-    """`r` accepts 4 of every 5 tried positions (rate ~0.8): one decode alone gains
-    0.8 x 3 ms per draft for 1 ms of step time, but among 32 decodes a token's share of the
-    step is 34/32 ms, and 0.8 x 1.06 ms < 1 ms."""
+    """`r` accepts 4 of every 5 tried positions (rate ~0.8). A saved step is valued at the mean
+    of the step's time per token and one row's time: one decode alone gains 0.8 x (3 + 1) / 2 ms
+    per draft for 1 ms of step time, but among 32 decodes 0.8 x (34/32 + 1) / 2 ms < 1 ms."""
     policy = DraftPolicy(config(**kwargs), fitted_predictor())
     teach(policy, "r", 5, 4)
     assert policy.rate("r") == pytest.approx(0.8, abs=0.01)
@@ -59,13 +59,24 @@ def test_auto_drafts_for_a_single_stream_with_a_high_rate():
     policy = high_rate_policy()
     assert policy.num_drafts("r", 3, load(1), CONTEXT) == 3
     k = policy.num_drafts("r", 8, load(1), CONTEXT)
-    assert 3 <= k < 8  # (0.8^k x 3 ms < 1 ms for the last ones: the tail does not pay)
+    assert k == 3  # (0.8^k x 2 ms < 1 ms from the fourth: the tail does not pay)
 
 
 def test_auto_turns_drafting_off_under_load_and_back_on():
     policy = high_rate_policy()
     assert policy.num_drafts("r", 5, load(32), CONTEXT) == 0
     assert policy.num_drafts("r", 5, load(2), CONTEXT) > 0  # the load fell
+
+
+def test_auto_values_a_saved_step_between_a_refilled_and_a_drained_slot():
+    """Rate 0.75 among 4 decodes (6 ms steps, 1 ms a row): a token's share of the step, 1.5 ms,
+    would pay for a 1 ms draft row (1.125 ms expected), but the mean with the row's own 1 ms
+    (1.25 ms, 0.94 expected) does not; among 2 decodes (2 ms a token) it does."""
+    policy = DraftPolicy(config(), fitted_predictor())
+    teach(policy, "r", 4, 3)
+    assert policy.rate("r") == pytest.approx(0.75, abs=0.01)
+    assert policy.num_drafts("r", 1, load(4), CONTEXT) == 0
+    assert policy.num_drafts("r", 1, load(2), CONTEXT) == 1
 
 
 def test_auto_gives_a_low_rate_no_drafts_even_alone():

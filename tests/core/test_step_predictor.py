@@ -73,6 +73,27 @@ def test_a_long_decode_only_stretch_keeps_the_prefill_terms():
     assert predictor.predict(big_chunk) == pytest.approx(law(big_chunk), rel=0.01)
 
 
+def test_draft_rows_cost_their_own_term_and_a_decode_only_stretch_keeps_it():
+    """A decode verifying k drafts is k + 1 decode rows plus k draft rows: here a draft row
+    costs 0.6 ms more than a decode row, which a model of decode rows alone would miss."""
+    def with_drafts_law(shape: StepShape) -> float:
+        return law(shape) + 0.6e-3 * shape.draft_rows
+
+    rng = random.Random(4)
+    predictor = StepTimePredictor(window=64)
+    for _ in range(64):
+        shape = random_shape(rng, prefill=False)
+        for _ in range(rng.randint(1, 4)):  # requests verifying 1-5 drafts
+            shape = shape.plus(rng.randint(10, 2000), 1 + rng.randint(1, 5), is_decode=True)
+        predictor.observe(shape, with_drafts_law(shape))
+    for _ in range(500):
+        shape = random_shape(rng, prefill=False)
+        predictor.observe(shape, with_drafts_law(shape))
+    verifying = StepShape().plus(500, 1).plus(700, 5, is_decode=True)
+    assert verifying.decode_rows == 6 and verifying.draft_rows == 4
+    assert predictor.predict(verifying) == pytest.approx(with_drafts_law(verifying), rel=0.01)
+
+
 def test_describe_names_the_units():
     predictor = StepTimePredictor()
     predictor.observe(StepShape(decode_rows=4, decode_attention=400), 0.02)

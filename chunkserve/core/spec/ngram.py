@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -33,11 +32,22 @@ class NgramProposer:
         if k <= 0 or num_tokens <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        earlier = tokens[:-1]  # an occurrence must be followed by a token of its own
-        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
-            windows = sliding_window_view(earlier, n)  # windows[i] = tokens[i : i + n]
-            matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if matches.size:
-                start = int(matches[-1]) + n
-                return tokens[start : start + k].tolist()
-        return []
+        # every earlier occurrence ends at a position holding the last token (and is followed by
+        # a token of its own): extend each such match backwards, up to max_n tokens
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        if not ends.size:
+            return []
+        lengths = np.ones(ends.size, dtype=np.int64)
+        alive = np.ones(ends.size, dtype=bool)
+        for back in range(1, self.max_n):
+            before = ends - back
+            alive &= before >= 0
+            alive[alive] = tokens[before[alive]] == tokens[num_tokens - 1 - back]
+            if not alive.any():
+                break
+            lengths += alive
+        longest = int(lengths.max())
+        if longest < self.min_n:
+            return []
+        start = int(ends[np.flatnonzero(lengths == longest)[-1]]) + 1  # the most recent of the longest
+        return tokens[start : start + k].tolist()
