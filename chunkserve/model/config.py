@@ -30,6 +30,8 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before the rotary embedding
     sliding_window: int | None
     hf_config: Any  # the transformers config, for the rotary parameters
+    # divisors of the rotary inverse frequencies [head_dim // 2]: how llama.cpp stores Llama 3's rope scaling
+    rope_freq_factors: tuple[float, ...] | None = None
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> ModelConfig:
@@ -64,6 +66,12 @@ class ModelConfig:
 
     def rotary_inv_freq(self) -> tuple[torch.Tensor, float]:
         """Inverse frequencies `[head_dim // 2]` and the attention scaling of the rope type."""
+        inv_freq, scaling = self._rope_type_inv_freq()
+        if self.rope_freq_factors is not None:
+            inv_freq = inv_freq / torch.tensor(self.rope_freq_factors, device="cpu")
+        return inv_freq, scaling
+
+    def _rope_type_inv_freq(self) -> tuple[torch.Tensor, float]:
         params = getattr(self.hf_config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
         if rope_type not in _STATIC_ROPE_TYPES:

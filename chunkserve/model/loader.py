@@ -1,9 +1,10 @@
 """Find a model, read its config and weights: a Hugging Face folder or a GGUF file.
 
-GGUF weights are dequantized to float at load; the linear layers stored as Q4_0, Q4_1 or
-Q8_0 blocks also keep those blocks, which the C++ linear reads at decode batch sizes.
-llama.cpp's converter permutes the rows of Llama's Q and K weights (to interleave the rotary
-halves); we undo it, on the floats and on the blocks alike, so one model code serves both
+GGUF (Llama, Mistral, Qwen2, Qwen3) weights are dequantized to float at load; the linear
+layers stored as Q4_0, Q4_1 or Q8_0 blocks also keep those blocks, which the C++ linear reads
+at decode batch sizes. llama.cpp's converter renames the tensors and permutes the rows of
+Llama's Q and K weights (to interleave the rotary halves); transformers' GGUF tables undo
+both, which we apply to the floats and to the blocks alike, so one model code serves both
 formats.
 
 Split over ranks, each rank builds only its part (`LlamaModel.uses_weight`): the other
@@ -12,6 +13,7 @@ stages' tensors are not read (nor dequantized), and its shards are sliced from t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import json
@@ -43,7 +45,7 @@ def load_model_config(source: ModelSource) -> ModelConfig:
         from transformers import AutoConfig
 
         return ModelConfig.from_hf_config(AutoConfig.from_pretrained(source.path))
-    return ModelConfig.from_hf_config(_gguf_hf_config(gguf_reader(source.path)))
+    return _gguf_model_config(source.path)
 
 
 def load_model(source: ModelSource, config: ModelConfig, dtype: str, max_positions: int,
@@ -62,45 +64,47 @@ def load_model(source: ModelSource, config: ModelConfig, dtype: str, max_positio
     return model.eval()
 
 
+def _progress(items, description: str, unit: str):
+    """A progress bar on a terminal (a large model takes minutes to load); nothing in a log file."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=description, unit=unit, disable=None, leave=False)
+
+
 def _read_hf_weights(folder: str, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     weights: dict[str, torch.Tensor] = {}
-    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+    paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    for path in _progress(paths, "Loading safetensors shards", "shard"):
         with safe_open(path, framework="pt") as file:
             weights.update((name, file.get_tensor(name)) for name in file.keys() if wanted(name))
     return weights
 
 
 # ----- GGUF ---------------------------------------------------------------------------
+# llama.cpp's metadata keys, tensor names and value transforms are for transformers (and the
+# gguf package, whose name map it uses) to keep up with: we take its config key mapping, its
+# names and its per-tensor processors (the Llama q/k row permutation), applied to our one
+# reading of the file, tensor by tensor. Its `load_gguf_checkpoint` would parse the file again
+# and, with tensors, dequantize all of them at once.
 
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
+# `general.architecture` of the files we serve; llama.cpp writes Mistral's as "llama".
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Llama 3's rope scaling, which llama.cpp stores as a tensor of per-frequency divisors.
+_ROPE_FREQS = "rope_freqs.weight"
 
 
 @functools.lru_cache(maxsize=1)
 def gguf_reader(path: str):
-    """Cached: the config, the weights and the tokenizer all read the same file."""
+    """Cached: the config, the weights and the fingerprint all read the same file."""
     import gguf
 
     reader = gguf.GGUFReader(path)
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported GGUF architectures: llama")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported GGUF architectures: "
+                             f"{', '.join(GGUF_ARCHITECTURES)} (Mistral's files are llama)")
     return reader
 
 
@@ -109,34 +113,37 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _gguf_hf_config(reader):
-    from transformers import LlamaConfig
+def _gguf_model_config(path: str) -> ModelConfig:
+    """transformers' config of the file, by its GGUF key mapping, plus what that mapping leaves
+    out: the head size, which llama.cpp writes as `attention.key_length` (transformers takes it
+    from the rotary dimension for llama only, and gives Qwen3 its class default of 128), a
+    linear rope scaling, and Llama 3's rope frequency factors."""
+    from transformers import AutoConfig
+    from transformers.integrations import GGUF_CONFIG_MAPPING
 
-    def arch_field(key: str, default=None):
-        return _field(reader, f"llama.{key}", default)
-
-    num_heads = arch_field("attention.head_count")
-    hidden = arch_field("embedding_length")
-    rope_parameters = {"rope_type": "default", "rope_theta": float(arch_field("rope.freq_base", 10000.0))}
-    if arch_field("rope.scaling.type") == "linear":
-        rope_parameters.update(rope_type="linear", factor=float(arch_field("rope.scaling.factor")))
-    tensor_names = {t.name for t in reader.tensors}
-    return LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=arch_field("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
-        hidden_size=hidden,
-        intermediate_size=arch_field("feed_forward_length"),
-        num_hidden_layers=arch_field("block_count"),
-        num_attention_heads=num_heads,
-        num_key_value_heads=arch_field("attention.head_count_kv", num_heads),
-        head_dim=arch_field("rope.dimension_count", hidden // num_heads),
-        rms_norm_eps=float(arch_field("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=arch_field("context_length"),
-        rope_parameters=rope_parameters,
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-    )
+    reader = gguf_reader(path)
+    arch = _field(reader, "general.architecture")
+    hf_config = {hf_key: _field(reader, f"{arch}.{key}") for key, hf_key in GGUF_CONFIG_MAPPING[arch].items()
+                 if hf_key is not None and f"{arch}.{key}" in reader.fields}
+    if "vocab_size" not in hf_config:  # files from older converters: the tokenizer's
+        hf_config["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    # llama.cpp writes the output projection only where it is not the embedding matrix
+    hf_config["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in reader.tensors)
+    if (head_dim := _field(reader, f"{arch}.attention.key_length")) is not None:
+        hf_config["head_dim"] = head_dim
+    # llama.cpp's default base where the file states none, not the config class's
+    rope_parameters = {"rope_type": "default", "rope_theta": float(hf_config.pop("rope_theta", 10000.0))}
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        rope_parameters.update(rope_type="linear", factor=float(_field(reader, f"{arch}.rope.scaling.factor")))
+    elif scaling != "none":
+        raise ModelLoadError(f"GGUF rope scaling {scaling!r} is not supported; supported: linear, and Llama 3's "
+                             f"{_ROPE_FREQS!r}")
+    config = ModelConfig.from_hf_config(AutoConfig.for_model(arch, rope_parameters=rope_parameters, **hf_config))
+    factors = next((tensor for tensor in reader.tensors if tensor.name == _ROPE_FREQS), None)
+    if factors is None:
+        return config
+    return dataclasses.replace(config, rope_freq_factors=tuple(float(f) for f in factors.data))
 
 
 def _read_gguf_weights(path: str, config: ModelConfig, wanted: Callable[[str], bool]
@@ -144,17 +151,25 @@ def _read_gguf_weights(path: str, config: ModelConfig, wanted: Callable[[str], b
     """The float weights under Hugging Face names, and the blocks of those stored in
     BLOCK_TYPES; only the `wanted` ones are dequantized."""
     import gguf
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     reader = gguf_reader(path)
+    arch = _field(reader, "general.architecture")
+    hf_names = _gguf_hf_names(config, arch)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(
+        config={"num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads})
     weights, blocks = {}, {}
-    for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+    for tensor in _progress(reader.tensors, "Loading GGUF tensors", "tensor"):
+        if tensor.name == _ROPE_FREQS:  # read into the config
+            continue
+        if tensor.name not in hf_names:
+            raise ModelLoadError(f"GGUF tensor {tensor.name!r} has no place in a {config.architecture}")
+        name = hf_names[tensor.name]
         if not wanted(name):
             continue
-        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
 
         def rows_in_hf_order(array: np.ndarray) -> np.ndarray:  # a copy: GGUF tensors are read-only maps
-            return np.array(array if heads is None else _unpermute_rotary_rows(array, heads))
+            return np.array(processor.process(weights=array, name=tensor.name).weights)
 
         floats = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         weights[name] = torch.from_numpy(rows_in_hf_order(floats).astype(np.float32, copy=False))
@@ -163,16 +178,21 @@ def _read_gguf_weights(path: str, config: ModelConfig, wanted: Callable[[str], b
     return weights, blocks
 
 
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[gguf_name]
-    _, layer, module, suffix = gguf_name.split(".")
-    if module not in _GGUF_LAYER_NAMES:
-        raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[module]}.{suffix}"
+def _gguf_hf_names(config: ModelConfig, arch: str) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face name, as transformers' `get_gguf_hf_weights_map` maps
+    them: the gguf package's name map over the parameter names of the transformers model,
+    built on the meta device (no memory, no weights). Not that function itself, which rebuilds
+    the name map for every submodule (some 400 times for SmolLM2: ten seconds)."""
+    import gguf
+    from transformers import AutoModelForCausalLM
 
-
-def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's `reshape(heads, 2, half, ...).swapaxes(1, 2)` on Q/K rows."""
-    half = weight.shape[0] // num_heads // 2
-    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config.hf_config)
+    arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    name_map = gguf.get_tensor_name_map(arch_id, config.num_layers)
+    names = {}
+    for hf_name in skeleton.state_dict():
+        module, suffix = hf_name.rsplit(".", 1)
+        if (gguf_module := name_map.get_name(module)) is not None:
+            names[f"{gguf_module}.{suffix}"] = hf_name
+    return names

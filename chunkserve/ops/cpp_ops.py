@@ -18,9 +18,9 @@ The last five reach the model as a `ModelOps` (model/ops.py), whose plain-torch 
 `TORCH_OPS` they are tested against.
 
 They are compiled with `torch.utils.cpp_extension` for the machine they run on (about a
-minute on 2 cores; the build is cached under ~/.cache/torch_extensions); `make install`
-builds them once (`build_report`). Where no C++ compiler is available the engine keeps plain
-torch, which is also the reference the tests compare the ops against.
+minute on 2 cores) into the Python environment's own folder (`build_directory`); `make
+install` builds them once (`build_report`). Where no C++ compiler is available the engine
+keeps plain torch, which is also the reference the tests compare the ops against.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -151,6 +152,20 @@ class CppOps:
         return F.linear(x, weight, bias)
 
 
+def build_directory() -> str | None:
+    """Where the ops are compiled and cached: under the Python environment (its `share/`), so
+    that checkouts with their own venvs never rebuild each other's ops, as they did in torch's
+    per-user default (~/.cache/torch_extensions). None, torch's own choice, where
+    TORCH_EXTENSIONS_DIR is set (it wins: benchmarks give each worktree one) or the environment
+    is not writable (a system Python)."""
+    if "TORCH_EXTENSIONS_DIR" in os.environ or not os.access(sys.prefix, os.W_OK):
+        return None
+    # per torch version: a build against another torch's headers may not load
+    path = os.path.join(sys.prefix, "share", "chunkserve", "torch_extensions", f"torch-{torch.__version__}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 @functools.cache
 def build_cpp_ops() -> CppOps:
     """Compile (or load the cached build of) the ops; raises if they cannot be built."""
@@ -164,7 +179,8 @@ def build_cpp_ops() -> CppOps:
         pass
     logger.info("loading the C++ ops (compiled on first use: about a minute)")
     module = load(name="chunkserve_cpp_ops", sources=_SOURCES, extra_include_paths=[_CSRC],
-                  extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                  extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                  build_directory=build_directory())
     return CppOps(decode_attention=module.paged_decode_attention, prefill_attention=module.paged_prefill_attention,
                   small_batch_linear=module.small_batch_linear,
                   block_quantized_linear=module.block_quantized_linear,

@@ -22,13 +22,14 @@ from chunkserve.config.parallel import ParallelConfig
 from chunkserve.core.sched.output import ScheduledRequest
 from chunkserve.errors import InvalidRequestError
 from chunkserve.model.llama import Linear, LlamaModel
-from chunkserve.model.loader import _GGUF_LAYER_NAMES, load_model, load_model_config
+from chunkserve.model.loader import load_model, load_model_config
 from chunkserve.model.parallel import ParallelContext, block_columns, block_rows
 from chunkserve.ops.cpp_ops import build_cpp_ops, cpp_ops_for
 from chunkserve.ops.model_ops import TORCH_OPS, BlockWeight
 from chunkserve.worker.input_batch import build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_cache
 from tests.conftest import has_cxx_compiler
+from tests.model.gguf_files import write_gguf
 from tests.paged_runner import reference_logits
 
 ATOL = 1e-4
@@ -71,43 +72,11 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         model = AutoModelForCausalLM.from_config(tiny_config(arch, num_kv_heads), dtype=torch.float32)
         folders[name] = str(tmp_path_factory.mktemp(name))
         model.save_pretrained(folders[name])
-    folders["gguf-q8-tied"] = write_q8_gguf(folders["llama-2kv"], str(tmp_path_factory.mktemp("gguf") / "tiny.gguf"))
+    # the llama's weights as a GGUF of Q8_0 matrices without output.weight, so that the LM head
+    # reads the embedding's blocks: another model, the same for the sharded and the unsharded load
+    folders["gguf-q8-tied"] = write_gguf(folders["llama-2kv"], str(tmp_path_factory.mktemp("gguf") / "tiny.gguf"),
+                                         "Q8_0", with_lm_head=False)
     return folders
-
-
-def write_q8_gguf(hf_folder: str, path: str) -> str:
-    """The Hugging Face model's weights as a llama GGUF, its matrices Q8_0, without
-    output.weight (so the LM head reads the embedding's blocks). Its Q/K rows are taken as
-    llama.cpp-permuted: another model, the same for the sharded and the unsharded load."""
-    from safetensors.torch import load_file
-
-    config = load_model_config(resolve_model(hf_folder))
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_block_count(config.num_layers)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    gguf_names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    gguf_names.update((f"model.layers.{i}.{hf}.weight", f"blk.{i}.{name}.weight")
-                      for i in range(config.num_layers) for name, hf in _GGUF_LAYER_NAMES.items())
-    for name, tensor in load_file(os.path.join(hf_folder, "model.safetensors")).items():
-        if name not in gguf_names:  # lm_head.weight
-            continue
-        if tensor.dim() == 2:
-            writer.add_tensor(gguf_names[name], gguf.quants.quantize(tensor.numpy(), gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(gguf_names[name], tensor.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def drive(model: LlamaModel, cpp_ops=None) -> dict[str, torch.Tensor] | None:
