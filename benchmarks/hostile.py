@@ -168,7 +168,7 @@ class Context:
             name = name_labels.split("{", 1)[0]
             labels = name_labels[len(name):]
             key = name + ("{" + ",".join(sorted(p for p in labels.strip("{}").split(",")
-                                                if p and not p.startswith("model_name="))) + "}")
+                                                if p and not p.startswith(("model_name=", "engine=")))) + "}")
             try:
                 values[key] = float(value)
             except ValueError:

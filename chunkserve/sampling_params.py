@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from chunkserve.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 1024  # the hard bound; a server allows --max-logprobs (default 20)
 # Outside this range the penalty overflows float32 logits (a logit of 50 / 1e-45 is inf), and
 # one request's inf would make its row of probabilities NaN.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
@@ -30,7 +30,8 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     `temperature == 0` means greedy. `max_tokens=None` means "up to the model's length
-    limit". Stop strings are matched on the detokenized text and are not included in it.
+    limit". Stop strings are matched on the detokenized text and are left out of it unless
+    `include_stop_str_in_output`.
     """
 
     max_tokens: int | None = 16
@@ -50,11 +51,23 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
     logit_bias: dict[int, float] | None = None  # added to the token's logit before sampling (OpenAI's)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    # Words not to generate (vLLM's rule): the last token of each word's tokenization is banned whenever the
+    # output so far ends with the tokens before it, so a one-token word is always banned.
+    bad_words: list[str] = field(default_factory=list)
+    prompt_logprobs: int | None = None  # k: each prompt token's logprob (after the first) and the top k
+    truncate_prompt_tokens: int | None = None  # k: keep only the prompt's last k tokens; -1: max_model_len
+    # bad_words tokenized by the input processor, with and without a leading space (vLLM's private field)
+    _bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
@@ -107,10 +120,31 @@ class SamplingParams:
                 fail(f"logit_bias must map token ids to biases in [{low:g}, {high:g}]")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            fail(f"include_stop_str_in_output must be a boolean, got {self.include_stop_str_in_output!r}")
+        if self.allowed_token_ids is not None and not _is_token_list(self.allowed_token_ids):
+            fail("allowed_token_ids must be a non-empty list of token ids")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            fail("bad_words must be a list of non-empty strings")
+        if self._bad_words_token_ids is not None and not (
+                isinstance(self._bad_words_token_ids, list) and all(map(_is_token_list, self._bad_words_token_ids))):
+            fail("bad_words token ids must be a list of non-empty lists of token ids")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            fail(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if self.truncate_prompt_tokens is not None and (
+                not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < -1
+                or self.truncate_prompt_tokens == 0):
+            fail(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {self.truncate_prompt_tokens!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """The tokenized bad words (None until the input processor has tokenized them)."""
+        return self._bad_words_token_ids
 
     @property
     def adjusts_logits(self) -> bool:
@@ -123,6 +157,10 @@ class SamplingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_list(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(_is_int(t) and t >= 0 for t in value)
 
 
 def _is_number(value: object) -> bool:

@@ -39,12 +39,14 @@ class Server:
             return http.get("/debug/check").json()
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics, keyed by name and sorted labels (without model_name)."""
+        """Every sample of /metrics, keyed by name and sorted labels (without model_name and engine,
+        which every chunkserve: sample carries)."""
         text = httpx.get(f"{self.base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
         samples = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                                  if k not in ("model_name", "engine"))
                 samples[f"{sample.name}{{{labels}}}"] = sample.value
         return samples
 

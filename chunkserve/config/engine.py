@@ -4,7 +4,10 @@ is known); the command line builds it from flags (entrypoints/args.py)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +23,12 @@ from chunkserve.config.scheduler import (
 )
 from chunkserve.config.speculative import SpeculativeConfig
 from chunkserve.errors import InvalidRequestError
+from chunkserve.sampling_params import MAX_LOGPROBS
 
 DTYPES = ("float32", "bfloat16")
+# vLLM's spellings: auto is float32 on CPU, as vLLM's CPU build; float16 has no fast CPU kernels
+DTYPE_ALIASES = {"auto": "float32", "float": "float32"}
+DTYPE_CHOICES = (*DTYPES, *DTYPE_ALIASES, "half", "float16")
 OP_BACKENDS = ("auto", "cpp", "torch")
 HICACHE_STORAGE_BACKENDS = ("file",)
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
@@ -31,8 +38,28 @@ EXECUTOR_BACKENDS = ("uni", "mp")
 
 
 def arg(default: Any, help: str, **extra: Any) -> Any:
-    """A dataclass field that is also a command-line flag, with its help text."""
+    """A dataclass field that is also a command-line flag, with its help text. `extra`: choices,
+    aliases (other spellings, e.g. SGLang's), negative_aliases (switches that turn a bool off),
+    type (parses the flag's value), nargs."""
     return field(default=default, metadata={"help": help, **extra})
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's sizes on the command line: 32k = 32,000, 32K = 32,768 (2^10), 1.5m = 1,500,000;
+    a binary suffix takes whole numbers only."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value.strip())
+    if not match:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer (32000, 32k, 32K)") from None
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{value!r}: a binary suffix ({suffix}) takes a whole number; did you mean "
+                                         f"{number}{suffix.lower()}?")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
 
 
 @dataclass
@@ -40,19 +67,38 @@ class EngineArgs:
     """Every engine knob, with vLLM's names; each is also a command-line flag."""
 
     model: str | None = arg(
-        None, "Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"
+        None, "Hugging Face model folder or .gguf file, or a model id in the local Hugging Face cache (default: the "
+              "embedded SmolLM2-135M-Instruct GGUF); also positional: chunkserve serve MODEL",
+        aliases=("--model-path",)
     )
-    dtype: str = arg("float32", "weights and activations dtype", choices=DTYPES)
+    tokenizer: str | None = arg(
+        None, "Hugging Face tokenizer folder to use instead of the model's (default: the model's own)",
+        aliases=("--tokenizer-path",)
+    )
+    dtype: str = arg("float32", "weights and activations dtype; auto and float mean float32 (CPU)",
+                     choices=DTYPE_CHOICES)
     max_model_len: int | None = arg(
-        None, "longest prompt + output in tokens (default: the model's limit, capped by the KV pool)"
+        None, "longest prompt + output in tokens, e.g. 4096, 32k (32,000) or 32K (32,768) (default: the model's "
+              "limit, capped by the KV pool)", aliases=("--context-length",), type=human_readable_int
     )
+    chat_template: str | None = arg(
+        None, "a Jinja chat template, or a file holding one, used instead of the tokenizer's"
+    )
+    generation_config: str = arg(
+        "auto", "request defaults: auto = the sampling defaults of the model folder's generation_config.json "
+                "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM; vllm = none; or "
+                "a folder holding a generation_config.json"
+    )
+    max_logprobs: int = arg(20, "most logprobs (and prompt_logprobs) one request may ask for")
     max_num_batched_tokens: int | None = arg(
         None,
         f"token budget of one engine step, decode + prefill tokens (default: {DEFAULT_CHUNKED_BUDGET} with "
         f"chunked prefill, {DEFAULT_SLO_BUDGET} with --tbt-slo-ms, max_model_len without chunking)",
+        aliases=("--chunked-prefill-size",), type=human_readable_int
     )
     max_num_seqs: int | None = arg(
-        None, f"most requests running at once (default: {DEFAULT_MAX_NUM_SEQS}, at most the step budget)"
+        None, f"most requests running at once (default: {DEFAULT_MAX_NUM_SEQS}, at most the step budget)",
+        aliases=("--max-running-requests",)
     )
     enable_chunked_prefill: bool = arg(
         True, "cut long prompts into chunks; off = each prompt is prefilled whole in one step"
@@ -90,13 +136,20 @@ class EngineArgs:
         None, "prompts whose first token can still come within this many ms of arrival get prompt tokens "
         "first, earliest deadline first; prompts that can no longer make it follow"
     )
-    block_size: int = arg(16, "tokens per KV cache block (page)")
+    block_size: int = arg(16, "tokens per KV cache block (page)", aliases=("--page-size",))
     kv_cache_memory_gb: float = arg(2.0, "memory for the KV cache pool, GiB")
-    num_kv_blocks: int | None = arg(None, "exact number of KV blocks (overrides --kv-cache-memory-gb)")
-    enable_prefix_caching: bool = arg(
-        True, "reuse the KV of full blocks shared with earlier requests (a SHA-256 hash chain over their tokens)"
+    kv_cache_memory_bytes: int | None = arg(
+        None, "memory for the KV cache pool in bytes, e.g. 4G (overrides --kv-cache-memory-gb)", type=human_readable_int
     )
-    scheduling_policy: str = arg("fcfs", "order of admission and preemption", choices=SCHEDULING_POLICIES)
+    num_kv_blocks: int | None = arg(
+        None, "exact number of KV blocks (overrides --kv-cache-memory-gb)", aliases=("--num-gpu-blocks-override",)
+    )
+    enable_prefix_caching: bool = arg(
+        True, "reuse the KV of full blocks shared with earlier requests (a SHA-256 hash chain over their tokens)",
+        negative_aliases=("--disable-radix-cache",)
+    )
+    scheduling_policy: str = arg("fcfs", "order of admission and preemption", choices=SCHEDULING_POLICIES,
+                                 aliases=("--schedule-policy",))
     enable_hierarchical_cache: bool = arg(
         False, "keep KV blocks on disk too (SGLang's HiCache flags): a prompt whose blocks the pool no longer "
         "holds loads them from there instead of recomputing them, across restarts too (needs prefix caching)"
@@ -154,11 +207,11 @@ class EngineArgs:
     )
     tensor_parallel_size: int = arg(
         1, "tensor-parallel ranks: each holds its share of every layer's heads and MLP columns (one all-reduce "
-        "after the attention and one after the MLP of every layer)", aliases=("-tp",)
+        "after the attention and one after the MLP of every layer)", aliases=("-tp", "--tp", "--tp-size")
     )
     pipeline_parallel_size: int = arg(
         1, "pipeline stages: each runs a consecutive share of the layers, up to this many steps in flight",
-        aliases=("-pp",)
+        aliases=("-pp", "--pp", "--pp-size")
     )
     pp_layer_partition: str | None = arg(
         None, "layers per pipeline stage, comma-separated, first stage first (e.g. 12,18; default: as even as "
@@ -186,7 +239,7 @@ class EngineArgs:
         "\"num_speculative_tokens\": 4}'; \"policy\": \"auto\" (default: drafts only while they pay, by the "
         "step-time model) or \"always\""
     )
-    seed: int = arg(0, "seed of the sampler for requests that give none")
+    seed: int = arg(0, "seed of the sampler for requests that give none", aliases=("--random-seed",))
     max_prompt_chars: int | None = arg(
         None, f"longer prompts are refused before they are tokenized (default: {CHARS_PER_TOKEN_BOUND} x max_model_len)"
     )
@@ -199,8 +252,11 @@ class EngineArgs:
         def fail(message: str) -> None:
             raise InvalidRequestError(message)
 
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.dtype in ("half", "float16"):
+            fail(f"dtype {self.dtype} is not supported on CPU: use bfloat16 (the same memory) or float32")
         if self.dtype not in DTYPES:
-            fail(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            fail(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.op_backend not in OP_BACKENDS:
             fail(f"op_backend must be one of {OP_BACKENDS}, got {self.op_backend!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -253,6 +309,8 @@ class EngineArgs:
                  'model is not sharded); "ngram" is')
         if self.block_size < 1:
             fail(f"block_size must be positive, got {self.block_size}")
+        if self.max_num_batched_tokens == -1:  # SGLang's --chunked-prefill-size -1
+            fail("max_num_batched_tokens -1 (no chunking) is spelled --no-enable-chunked-prefill here")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
             fail(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
@@ -283,6 +341,13 @@ class EngineArgs:
             fail(f"max_prefill_wait_ms must be non-negative, got {self.max_prefill_wait_ms}")
         if self.kv_cache_memory_gb <= 0:
             fail("kv_cache_memory_gb must be positive")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            fail(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            fail(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            fail(f"generation_config must be auto, vllm or a folder holding a generation_config.json; "
+                 f"{self.generation_config!r} is not a folder")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             fail("num_kv_blocks must be positive")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -292,6 +357,13 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 fail(f"{name} must be positive, got {value}")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV pool's memory: --kv-cache-memory-bytes, else --kv-cache-memory-gb."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        return int(self.kv_cache_memory_gb * 2**30)
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
@@ -315,7 +387,7 @@ class EngineArgs:
         """The frontend's bounds on one request, with the default that depends on max_model_len resolved."""
         prompt_chars = self.max_prompt_chars or CHARS_PER_TOKEN_BOUND * max_model_len
         return RequestLimits(prompt_chars, self.max_stop_sequences, self.max_stop_sequence_chars,
-                             self.max_stop_token_ids, self.max_logit_bias)
+                             self.max_stop_token_ids, self.max_logit_bias, self.max_logprobs)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's settings, with the defaults that depend on the model's length limit resolved."""

@@ -16,3 +16,4 @@ class RequestLimits:
     max_stop_sequence_chars: int
     max_stop_token_ids: int
     max_logit_bias: int
+    max_logprobs: int = 20  # logprobs and prompt_logprobs (--max-logprobs)

@@ -94,6 +94,12 @@ class Request:
         return self.sampling_params.max_tokens
 
     @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Computes its whole prompt, whatever the prefix cache (or a KV tier) holds: prompt
+        logprobs need every prompt row's logits (vLLM's rule). Its blocks are still cached."""
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

@@ -32,6 +32,7 @@ from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.sched.output import SchedulerStats
 from chunkserve.engine.core import MAX_STEP_RECORDS
 from chunkserve.engine.core_client import CoreClient, EventHandler, ProcessCore, ThreadCore
+from chunkserve.engine.generation_config import generation_defaults
 from chunkserve.engine.input_processor import InputProcessor
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.engine.messages import (
@@ -108,6 +109,7 @@ class AsyncLLM:
         """`get_tokenizer` is called once the core has started. `max_unread_outputs`: a request
         whose reader leaves this many outputs unread is aborted (its reader stopped reading)."""
         self.observers = list(observers or [])
+        self._args = args
         self.max_unread_outputs = max_unread_outputs
         self.num_unread_aborts = 0  # requests aborted because their reader stopped reading
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
@@ -137,6 +139,7 @@ class AsyncLLM:
                                               args.request_limits(self.info.max_model_len),
                                               args.disaggregation_mode)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.generation_defaults = generation_defaults(source, args.generation_config)  # SamplingParams field -> value
         # Tokenizing and chat templates run here, never on the event loop (a long prompt would stall
         # every stream) nor in the engine core; the tokenizer's encode releases the GIL.
         self._text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunkserve-tokenize")
@@ -152,7 +155,7 @@ class AsyncLLM:
         loaded: dict[str, Any] = {}
 
         def load() -> None:  # while the engine process loads the model
-            loaded["tokenizer"] = load_tokenizer(source)
+            loaded["tokenizer"] = load_tokenizer(source, args.tokenizer, args.chat_template)
 
         return cls(lambda on_event: ProcessCore(args, on_event, max_waiting_requests, while_loading=load),
                    lambda: loaded["tokenizer"], source, args, observers, max_unread_outputs)
@@ -165,6 +168,15 @@ class AsyncLLM:
         source = resolve_model(engine.args.model)
         return cls(lambda on_event: ThreadCore(engine.engine_core, engine.info, on_event, max_waiting_requests),
                    lambda: engine.tokenizer, source, engine.args, observers, max_unread_outputs)
+
+    @property
+    def scheduling_policy(self) -> str:
+        return self._args.scheduling_policy
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        """Requests added and not yet finished (their streams are open)."""
+        return len(self._streams)
 
     @property
     def is_running(self) -> bool:

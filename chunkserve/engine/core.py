@@ -477,7 +477,8 @@ def resolve_max_model_len(config: EngineArgs, model_config: ModelConfig, num_blo
     if requested > pool_tokens:
         raise InvalidRequestError(
             f"max_model_len {requested} exceeds what the KV pool holds ({num_blocks} blocks x "
-            f"{config.block_size} = {pool_tokens} tokens): raise kv_cache_memory_gb or num_kv_blocks"
+            f"{config.block_size} = {pool_tokens} tokens): raise kv_cache_memory_gb (or kv_cache_memory_bytes) "
+            "or num_kv_blocks"
         )
     return requested
 

@@ -5,9 +5,15 @@ Each step decodes only a short window of recent tokens: the text of
 tokens added. A window whose text ends in U+FFFD is an unfinished multi-byte character:
 nothing is emitted until the next token completes it.
 
-Stop strings are searched in the text; a match cuts the text before it and finishes the
-request. While running, the last `len(longest stop) - 1` characters are held back, so a
-stop string's first characters never reach a stream before we know they are one.
+The stop token that finishes a request (EOS or one of `stop_token_ids`) is taken without its
+text unless `include_stop_str_in_output`, as vLLM does.
+
+Stop strings are searched in the text; a match cuts the text before it (after it, with
+`include_stop_str_in_output`) and finishes the request. While running, the last
+`len(longest stop) - 1` characters are held back, so a stop string's first characters never
+reach a stream before we know they are one; when stop strings are kept in the text nothing
+needs holding back (vLLM's rule), but the search still looks back that far, for a stop string
+that began in earlier text.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
-        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        self.include_stop = params.include_stop_str_in_output
+        self.search_back = max((len(s) for s in self.stop), default=1) - 1  # a stop string's start in older text
+        self.hold_back = 0 if self.include_stop else self.search_back
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0
@@ -48,12 +56,20 @@ class IncrementalDetokenizer:
         """Take newly sampled tokens; returns the stop string they completed, if any."""
         for token_id in token_ids:
             self.token_ids.append(token_id)
-            searched_from = max(len(self.text) - self.hold_back, 0)
+            searched_from = max(len(self.text) - self.search_back, 0)
             self.text += self._decode_new_text()
             matched = self._find_stop(searched_from)
             if matched is not None:
                 return matched
         return None
+
+    def add_stop_token(self, token_id: int) -> None:
+        """Take the stop token that finished the request, leaving its text out (what the tokens
+        before it left unfinished is decoded first, as a finished request's is)."""
+        if self._read_offset < len(self.token_ids):
+            self.text += self._decode_new_text(final=True)
+        self.token_ids.append(token_id)
+        self._prefix_offset = self._read_offset = len(self.token_ids)
 
     def delta(self, finished: bool) -> str:
         """Text not yet handed out; all of it once the request has finished."""
@@ -82,6 +98,6 @@ class IncrementalDetokenizer:
         for stop in self.stop:
             index = self.text.find(stop, start)
             if index != -1:
-                self.text = self.text[:index]
+                self.text = self.text[: index + len(stop) if self.include_stop else index]
                 return stop
         return None

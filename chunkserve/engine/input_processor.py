@@ -49,7 +49,11 @@ class InputProcessor:
         self._check_sizes(params)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
+        if params.prompt_logprobs is not None and self.disaggregation_mode != "null":
+            raise InvalidRequestError("prompt_logprobs is not supported by a prefill/decode disaggregated "
+                                      "deployment: the prompt is computed on another instance", "prompt_logprobs")
         text, token_ids = self._tokenize(prompt)
+        token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         params = self._resolve_params(params, len(token_ids))
         if self.disaggregation_mode == "prefill":
             params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
@@ -98,9 +102,22 @@ class InputProcessor:
         if len(params.stop_token_ids) > limits.max_stop_token_ids:
             raise InvalidRequestError(f"stop_token_ids has {len(params.stop_token_ids)} ids, over the limit of "
                                       f"{limits.max_stop_token_ids} (--max-stop-token-ids)", "stop_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limits.max_logprobs:
+                raise InvalidRequestError(f"{name} {value} is above the server's limit of {limits.max_logprobs} "
+                                          "(--max-logprobs)", name)
         if params.logit_bias and len(params.logit_bias) > limits.max_logit_bias:
             raise InvalidRequestError(f"logit_bias has {len(params.logit_bias)} entries, over the limit of "
                                       f"{limits.max_logit_bias} (--max-logit-bias)", "logit_bias")
+        # bad words are checked at every sampling step, like stop strings at every token: the same bounds
+        if len(params.bad_words) > limits.max_stop_sequences:
+            raise InvalidRequestError(f"bad_words has {len(params.bad_words)} words, over the limit of "
+                                      f"{limits.max_stop_sequences} (--max-stop-sequences)", "bad_words")
+        longest = max((len(w) for w in params.bad_words), default=0)
+        if longest > limits.max_stop_sequence_chars:
+            raise InvalidRequestError(f"a bad word has {longest} characters, over the limit of "
+                                      f"{limits.max_stop_sequence_chars} (--max-stop-sequence-chars)", "bad_words")
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -119,6 +136,16 @@ class InputProcessor:
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})", "prompt")
         return None, list(prompt)
+
+    def _truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: up to max_model_len)."""
+        if keep is None:
+            return token_ids
+        limit = self.info.max_model_len
+        if keep > limit:
+            raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({limit}): "
+                                      "select a smaller truncation size", "truncate_prompt_tokens")
+        return token_ids[-(limit if keep == -1 else keep):]
 
     def _resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         limit = self.info.max_model_len
@@ -140,8 +167,33 @@ class InputProcessor:
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias keys must be token ids below the vocabulary size {vocab}",
                                       "logit_bias")
+        if params.allowed_token_ids and any(t >= vocab for t in params.allowed_token_ids):
+            raise InvalidRequestError(f"allowed_token_ids must be token ids below the vocabulary size {vocab}",
+                                      "allowed_token_ids")
+        bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words) if params.bad_words else None
+        if bad_words_token_ids and any(t >= vocab for word in bad_words_token_ids for t in word):
+            raise InvalidRequestError(f"bad_words tokenize to token ids outside the model's vocabulary ({vocab})",
+                                      "bad_words")
         extra_stops = [] if params.ignore_eos else [t for t in self.extra_stop_ids if t not in params.stop_token_ids]
-        return dataclasses.replace(params, max_tokens=max_tokens, stop_token_ids=params.stop_token_ids + extra_stops)
+        return dataclasses.replace(params, max_tokens=max_tokens, stop_token_ids=params.stop_token_ids + extra_stops,
+                                   _bad_words_token_ids=bad_words_token_ids)
+
+
+def tokenize_bad_words(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each bad word's token sequences, as vLLM makes them: the word without leading spaces, and
+    with one leading space too where that is another sequence of the same length (the word
+    inside text, for tokenizers that fold the space into the word's first token). Raises
+    InvalidRequestError for a word that tokenizes to nothing."""
+    token_ids: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise InvalidRequestError(f"bad_words entry {word!r} tokenizes to no token", "bad_words")
+        token_ids.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            token_ids.append(spaced)
+    return token_ids
 
 
 def eos_ids(tokenizer: Any, source: ModelSource) -> tuple[int | None, list[int]]:

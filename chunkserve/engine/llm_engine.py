@@ -11,6 +11,7 @@ from chunkserve.config.model import resolve_model
 from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.sched.output import EngineCoreOutput, SchedulerStats
 from chunkserve.engine.core import EngineCore
+from chunkserve.engine.generation_config import generation_defaults
 from chunkserve.engine.input_processor import InputProcessor
 from chunkserve.engine.messages import imported_core_request
 from chunkserve.engine.output_processor import OutputProcessor
@@ -26,11 +27,12 @@ class LLMEngine:
         source = resolve_model(args.model)
         self.engine_core = EngineCore(args)
         self.info = self.engine_core.info(source.name)
-        self.tokenizer: Any = load_tokenizer(source)
+        self.tokenizer: Any = load_tokenizer(source, args.tokenizer, args.chat_template)
         self.input_processor = InputProcessor(self.tokenizer, source, self.info,
                                               args.request_limits(self.info.max_model_len),
                                               args.disaggregation_mode)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.generation_defaults = generation_defaults(source, args.generation_config)  # SamplingParams field -> value
         self.last_step_record: StepRecord | None = None  # of the last step(); None if it ran nothing
         self._shut_down = False
 

@@ -39,6 +39,7 @@ class RequestState:
     metrics: RequestMetrics
     output_kind: RequestOutputKind
     logprobs: list[TokenLogprobs] | None  # all so far (None unless asked for, or when only deltas are sent)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # prompt_logprobs, once they came with the first token
 
 
 @dataclass
@@ -64,7 +65,8 @@ class OutputProcessor:
         params = request.sampling_params
         self._states[request.request_id] = RequestState(
             external_id or request.request_id, prompt, request.prompt_token_ids,
-            IncrementalDetokenizer(self.tokenizer, params), RequestMetrics(arrival_time=request.arrival_time),
+            IncrementalDetokenizer(self.tokenizer, params),
+            RequestMetrics(arrival_time=request.arrival_time, max_tokens=params.max_tokens),
             params.output_kind,
             logprobs=None if params.logprobs is None or params.output_kind == RequestOutputKind.DELTA else [],
         )
@@ -157,9 +159,14 @@ class OutputProcessor:
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         new_token_ids: list[int] = []
         new_logprobs: list[TokenLogprobs] = []
+        if output.new_prompt_logprobs is not None:
+            state.prompt_logprobs = output.new_prompt_logprobs
         if output.new_token_ids:
             before = len(detokenizer.token_ids)
-            matched = detokenizer.add_tokens(output.new_token_ids)
+            hides_stop_token = finish_reason == "stop" and not detokenizer.include_stop  # the core's: a stop token
+            matched = detokenizer.add_tokens(output.new_token_ids[:-1] if hides_stop_token else output.new_token_ids)
+            if hides_stop_token and matched is None:
+                detokenizer.add_stop_token(output.new_token_ids[-1])
             new_token_ids = detokenizer.token_ids[before:]
             count = len(new_token_ids)
             if output.new_logprobs is not None:
@@ -184,9 +191,11 @@ class OutputProcessor:
         if kind == RequestOutputKind.DELTA or (kind == RequestOutputKind.FINAL_ONLY and not finished):
             wants_logprobs = output.new_logprobs is not None
             text, token_ids, logprobs = delta, new_token_ids, new_logprobs if wants_logprobs else None
+            prompt_logprobs = output.new_prompt_logprobs
         else:
             text, token_ids = detokenizer.emitted_text, list(detokenizer.token_ids)
             logprobs = None if state.logprobs is None else list(state.logprobs)
+            prompt_logprobs = state.prompt_logprobs
         completion = CompletionOutput(
             index=0,
             text=text,
@@ -206,4 +215,5 @@ class OutputProcessor:
             finished=finished,
             metrics=metrics,
             num_cached_tokens=output.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )

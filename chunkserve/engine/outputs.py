@@ -29,6 +29,7 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)  # wall-clock time of each output token
     finished_time: float | None = None
     num_preemptions: int = 0
+    max_tokens: int | None = None  # the request's, resolved (vLLM's request_params_max_tokens observes it)
 
 
 @dataclass
@@ -40,6 +41,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
+    # prompt_logprobs: one per prompt token, None for the first (vLLM's shape, with our record for each dict);
+    # every output has them once they came, a DELTA stream's first output only
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)

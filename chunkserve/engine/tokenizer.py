@@ -1,4 +1,5 @@
-"""Load the tokenizer that goes with a model (its chat template included).
+"""Load the tokenizer that goes with a model (its chat template included), or the one
+`--tokenizer` names, with `--chat-template` in place of its own.
 
 Building a tokenizer from GGUF metadata takes seconds, so the result is saved once under
 `$CHUNKSERVE_CACHE` (default `~/.cache/chunkserve`) and reloaded from there.
@@ -17,14 +18,44 @@ from chunkserve.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(source: ModelSource) -> Any:
+JINJA_CHARS = "{}\n"  # a --chat-template with any of these is the template itself, not a file name
+
+
+def load_tokenizer(source: ModelSource, tokenizer: str | None = None, chat_template: str | None = None) -> Any:
+    """`tokenizer`: a Hugging Face tokenizer folder to use instead of the model's; `chat_template`:
+    a Jinja template, or a file holding one, to use instead of the tokenizer's."""
+    loaded = _from_folder(tokenizer) if tokenizer is not None else _model_tokenizer(source)
+    if chat_template is not None:
+        loaded.chat_template = read_chat_template(chat_template)
+    return loaded
+
+
+def read_chat_template(template: str) -> str:
+    """vLLM's rule: text with braces or a newline is a template; anything else names a file."""
+    if any(char in template for char in JINJA_CHARS):
+        return template
+    try:
+        with open(template) as file:
+            return file.read()
+    except OSError as error:
+        raise ModelLoadError(f"chat template {template!r} looks like a file name, and it cannot be read: "
+                             f"{error.strerror}") from None
+
+
+def _from_folder(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"no usable tokenizer files in {path!r}: {error}") from None
+
+
+def _model_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
     if source.kind == "hf":
-        try:
-            return AutoTokenizer.from_pretrained(source.path)
-        except (OSError, ValueError) as error:
-            raise ModelLoadError(f"no usable tokenizer files in {source.path!r}: {error}") from None
+        return _from_folder(source.path)
     cached = _gguf_cache_dir(source.path)
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(cached)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +22,14 @@ def add_cli_args(args_class: type, parser: argparse.ArgumentParser) -> None:
         if f.type == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
-            if "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
+            kwargs["type"] = f.metadata.get("type") or {"int": int, "float": float}.get(f.type.split(" |")[0], str)
+            for key in ("choices", "nargs"):
+                if key in f.metadata:
+                    kwargs[key] = f.metadata[key]
         parser.add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)
+        for negative in f.metadata.get("negative_aliases", ()):
+            parser.add_argument(negative, dest=f.name, action="store_false", default=argparse.SUPPRESS,
+                                help=f"the same as --no-{f.name.replace('_', '-')}")
 
 
 def from_cli_args(args_class: type, namespace: argparse.Namespace) -> Any:
@@ -35,14 +40,18 @@ def from_cli_args(args_class: type, namespace: argparse.Namespace) -> Any:
 class ServerArgs:
     """The HTTP server's own flags (vLLM's names where vLLM has them)."""
 
-    host: str = arg("127.0.0.1", "address to listen on")
-    port: int = arg(8000, "port to listen on")
-    served_model_name: str | None = arg(
-        None, "the model name the API answers to (default: the model file or folder name)"
+    host: str = arg("127.0.0.1", "address to listen on (vLLM listens on every interface by default; 0.0.0.0 "
+                                 "does that)")
+    port: int = arg(8000, "port to listen on (checked before the model loads)")
+    served_model_name: list[str] | None = arg(
+        None, "the model names the API answers to; the first is the one responses name (default: the model file or "
+              "folder name)", nargs="+"
     )
     api_key: str | None = arg(
-        None, "require 'Authorization: Bearer KEY' on every endpoint but /health (default: $CHUNKSERVE_API_KEY)"
+        None, "require 'Authorization: Bearer KEY' on every endpoint but /health, /ping, /version and /metrics "
+              "(default: $CHUNKSERVE_API_KEY, else $VLLM_API_KEY)"
     )
+    protect_metrics: bool = arg(False, "require the API key on /metrics too (open by default, as in vLLM)")
     admin_api_key: str | None = arg(
         None, "enables the admin endpoints (/reset_prefix_cache, /debug/steps, /debug/check), which then need "
               "'Authorization: Bearer KEY'; without it they are off (default: $CHUNKSERVE_ADMIN_API_KEY)"
@@ -66,6 +75,35 @@ class ServerArgs:
         10.0, "on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted"
     )
     log_level: str = arg("info", "server log level", choices=("debug", "info", "warning", "error"))
+    uvicorn_log_level: str | None = arg(
+        None, "uvicorn's log level (default: --log-level)", choices=("critical", "error", "warning", "info", "debug",
+                                                                     "trace")
+    )
+    disable_uvicorn_access_log: bool = arg(
+        False, "no access log at debug level either (below debug there is none here, unlike vLLM)"
+    )
+    enable_log_requests: bool = arg(False, "log each request as it arrives: its id, prompts and sampling parameters")
+    max_log_len: int | None = arg(None, "with --enable-log-requests, log at most this many prompt characters / ids")
+    disable_log_stats: bool = arg(
+        False, "no periodic stats line (every 10 s while requests run: prompt and generation throughput, running and "
+               "waiting requests, KV cache usage, prefix cache hit rate)"
+    )
+    allowed_origins: str = arg('["*"]', "CORS: allowed origins, a JSON list (vLLM's default: any)")
+    allowed_methods: str = arg('["*"]', "CORS: allowed methods, a JSON list")
+    allowed_headers: str = arg('["*"]', "CORS: allowed headers, a JSON list")
+    allow_credentials: bool = arg(False, "CORS: allow credentials")
+    root_path: str | None = arg(None, "the path prefix a proxy serves this server under (FastAPI's root_path)")
+    ssl_keyfile: str | None = arg(None, "serve HTTPS with this private key (with --ssl-certfile)")
+    ssl_certfile: str | None = arg(None, "serve HTTPS with this certificate (with --ssl-keyfile)")
+    ssl_ca_certs: str | None = arg(None, "CA certificates to verify clients by")
+    ssl_cert_reqs: int = arg(0, "whether client certificates are required (Python's ssl.CERT_* value: 0 none, 1 "
+                                "optional, 2 required)")
+    disable_fastapi_docs: bool = arg(False, "no /docs, /redoc and /openapi.json")
+    response_role: str = arg("assistant", "the role of the generated chat message")
+    return_tokens_as_token_ids: bool = arg(
+        False, "logprobs name tokens 'token_id:N' rather than by their text, which can be ambiguous (a request's "
+               "return_tokens_as_token_ids overrides it)"
+    )
     trace_steps: str | None = arg(None, "append one JSON line per engine step to this file")
     headless: bool = arg(
         False, "run only this node's worker ranks (--node-rank 1 or more of --nnodes), no server: they connect to "
@@ -79,6 +117,25 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"port must be in [0, 65535], got {self.port}")
+        if isinstance(self.served_model_name, str):  # (given in code rather than on the command line)
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None and not all(name.strip() for name in self.served_model_name):
+            raise InvalidRequestError("served_model_name must not be empty")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError:
+                    raise InvalidRequestError(f"{name} must be a JSON list of strings, e.g. '[\"*\"]', got "
+                                              f"{value!r}") from None
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise InvalidRequestError(f"{name} must be a JSON list of strings, got {value!r}")
+            setattr(self, name, value)
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise InvalidRequestError("ssl_keyfile and ssl_certfile go together")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise InvalidRequestError(f"max_log_len must be non-negative, got {self.max_log_len}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise InvalidRequestError("max_waiting_requests must be non-negative")
         if self.max_request_body_bytes < 1:

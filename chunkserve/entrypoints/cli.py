@@ -1,18 +1,26 @@
-"""`chunkserve serve`: the OpenAI-compatible server; `chunkserve generate "PROMPT"`: one answer."""
+"""`chunkserve serve [MODEL]`: the OpenAI-compatible server; `chunkserve generate "PROMPT"`: one answer.
+
+`serve` takes vLLM's launch commands as they are: the model positional or `--model`, vLLM's
+and SGLang's spellings of our flags (config/engine.py, args.py), their flags with no meaning
+here (foreign_flags.py: a note, or a refusal naming the alternative), and `--config FILE.yaml`
+(its keys are flags; the command line wins)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import importlib
+import json
 import logging
 import os
 import sys
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.entrypoints.args import ServerArgs, add_cli_args, from_cli_args
+from chunkserve.entrypoints.foreign_flags import add_foreign_flags, check_foreign_flags
 from chunkserve.entrypoints.router.args import add_arguments as add_router_arguments
 from chunkserve.errors import InvalidRequestError, ModelLoadError
+from chunkserve.version import VERSION
 
 BENCH_COMMANDS = {
     "serve": "load a server with a workload; latency percentiles, throughput, goodput",
@@ -22,7 +30,8 @@ BENCH_COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chunkserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="chunkserve", description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--version", action="version", version=f"chunkserve {VERSION}")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="generate an answer to one prompt")
     generate.add_argument("prompt", help="the prompt (the chat template is applied unless --raw)")
@@ -33,8 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     add_cli_args(EngineArgs, generate)
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model (vLLM's form)")
+    serve.add_argument("--config", metavar="FILE.yaml",
+                       help="flags from a YAML file, one key per flag (tensor-parallel-size: 2); the command line wins")
     add_cli_args(ServerArgs, serve)
     add_cli_args(EngineArgs, serve)
+    add_foreign_flags(serve)
     router = commands.add_parser("router", help="balance requests over prefill and decode servers (PD disaggregation)")
     add_router_arguments(router)
     bench = commands.add_parser("bench", help="benchmark OpenAI-compatible servers, plot and sweep")
@@ -81,15 +94,65 @@ def apply_torchrun_env(engine_args: EngineArgs, server_args: ServerArgs) -> tupl
     return engine_args, dataclasses.replace(server_args, headless=node_rank != 0)
 
 
+_BOOL_FIELDS = {f.name for cls in (EngineArgs, ServerArgs) for f in dataclasses.fields(cls) if f.type == "bool"}
+
+
+def expand_config_file(argv: list[str]) -> list[str]:
+    """`serve ... --config FILE.yaml`: the file's keys become flags placed before the command
+    line's own (so these win), as vLLM's --config: `key: value`, `switch: true`, `key: [a, b]`."""
+    if "serve" not in argv:
+        return argv
+    for index, item in enumerate(argv):
+        if item == "--config" or item.startswith("--config="):
+            path = item.split("=", 1)[1] if "=" in item else (argv[index + 1] if index + 1 < len(argv) else "")
+            rest = argv[:index] + argv[index + (1 if "=" in item else 2):]
+            break
+    else:
+        return argv
+    import yaml
+
+    try:
+        with open(path) as file:
+            config = yaml.safe_load(file) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise InvalidRequestError(f"--config {path!r} could not be read: {error}") from None
+    if not isinstance(config, dict):
+        raise InvalidRequestError(f"--config {path!r} must hold a mapping of flag names to values")
+    flags: list[str] = []
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:  # off: our switches have a --no- form; a foreign switch off is not given
+            if str(key).replace("-", "_") in _BOOL_FIELDS:
+                flags.append("--no-" + flag[2:])
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    at = rest.index("serve") + 1
+    return rest[:at] + flags + rest[at:]
+
+
+def _serve_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
+    check_foreign_flags(args)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise InvalidRequestError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    return from_cli_args(EngineArgs, args), from_cli_args(ServerArgs, args)
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(expand_config_file(sys.argv[1:] if argv is None else list(argv)))
         if args.command == "generate":
             _generate(args)
         elif args.command == "serve":
-            engine_args, server_args = apply_torchrun_env(from_cli_args(EngineArgs, args),
-                                                          from_cli_args(ServerArgs, args))
+            engine_args, server_args = apply_torchrun_env(*_serve_args(args))
             if server_args.headless:
                 from chunkserve.executor.launch import run_headless
 

@@ -16,7 +16,7 @@ from chunkserve.engine.outputs import RequestOutput, StepRecord
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
 Message = dict[str, str]
 
 
@@ -33,6 +33,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without sampling_params: the model's generation config
+        (--generation-config, as vLLM), else SamplingParams' own defaults."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     def get_step_records(self) -> list[StepRecord]:
         return list(self.engine.step_records)
 
@@ -43,10 +48,11 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """One finished output per prompt, in the prompts' order. A prompt is a string or a
-        list of token ids."""
-        prompt_list = _as_prompt_list(prompts)
-        params = _per_prompt(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        """One finished output per prompt, in the prompts' order. A prompt is a string, a list of
+        token ids, or vLLM's dict: {"prompt": text} or {"prompt_token_ids": ids}."""
+        prompt_list = [_unwrap(p) for p in _as_prompt_list(prompts)]
+        params = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompt_list),
+                             "sampling_params")
         # only each request's last output is kept: the ones before it need not carry its history
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompt_list), "priority")
@@ -87,7 +93,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
     if not prompts:
@@ -95,6 +101,19 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+def _unwrap(prompt: Prompt) -> str | list[int]:
+    """vLLM's TextPrompt / TokensPrompt dicts -> the text or the token ids."""
+    if not isinstance(prompt, dict):
+        return prompt
+    known = {"prompt", "prompt_token_ids"}
+    if len(known & prompt.keys()) != 1 or prompt.keys() - known - {"multi_modal_data", "mm_processor_kwargs"}:
+        raise InvalidRequestError(f"a prompt dict takes exactly one of 'prompt' (text) and 'prompt_token_ids', got "
+                                  f"keys {sorted(prompt)}")
+    if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
+        raise InvalidRequestError("multimodal inputs are not supported")
+    return prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list[Any]:

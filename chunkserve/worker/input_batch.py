@@ -20,6 +20,7 @@ class ForwardBatch:
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [R] rows whose hidden state is turned into logits
     sample_request_ids: list[str]  # the requests that sample, in row order
+    first_rows: dict[str, int]  # each request's first row (position num_computed_tokens)
 
 
 def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: Mapping[str, list[int]],
@@ -45,8 +46,10 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: Mapping[st
     logits_rows: list[int] = []
     sample_ids: list[str] = []
     prefills: list[PrefillChunk] = []
+    first_rows: dict[str, int] = {}
     row = 0
     for s in ordered:
+        first_rows[s.request_id] = row
         start, count = s.num_computed_tokens, s.num_scheduled_tokens
         num_known = count - len(s.draft_token_ids)
         input_ids.extend(token_ids[s.request_id][start : start + num_known])
@@ -81,6 +84,7 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: Mapping[st
         attn=attn,
         logits_indices=torch.tensor(logits_rows, dtype=torch.long),
         sample_request_ids=sample_ids,
+        first_rows=first_rows,
     )
 
 

@@ -10,8 +10,6 @@ import torch
 
 from chunkserve.model.config import ModelConfig
 
-_GIB = 1 << 30
-
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """K and V of one token in every layer."""
@@ -19,8 +17,8 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
 
 
-def num_blocks_for_memory(bytes_per_token: int, memory_gb: float, block_size: int) -> int:
-    return int(memory_gb * _GIB) // (bytes_per_token * block_size)
+def num_blocks_for_memory(bytes_per_token: int, memory_bytes: int, block_size: int) -> int:
+    return memory_bytes // (bytes_per_token * block_size)
 
 
 def allocate_kv_pool(config: ModelConfig, dtype: torch.dtype, num_blocks: int, block_size: int) -> torch.Tensor:

@@ -20,17 +20,25 @@ import numpy as np
 import torch
 
 from chunkserve.core.kv_connector import KVConnectorWorker, NoOpConnector
-from chunkserve.core.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from chunkserve.core.sched.output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from chunkserve.errors import RequestFailedError
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
 from chunkserve.ops.cpp_ops import cpp_ops_for
 from chunkserve.ops.model_ops import TORCH_OPS
-from chunkserve.worker.input_batch import build_forward_batch
+from chunkserve.worker.input_batch import ForwardBatch, build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_pool, layer_caches, read_blocks, write_blocks
 from chunkserve.worker.persistent_batch import PersistentBatch
 from chunkserve.worker.sampler import InvalidRowsError, SamplingState, gather_logprobs, sample_runs
 from chunkserve.worker.draft_model import DraftModelProposer
+
+PROMPT_LOGPROB_ROWS = 256  # prompt rows turned into logits at once for prompt_logprobs
 
 
 class ModelRunner:
@@ -88,11 +96,18 @@ class ModelRunner:
                 token_ids = batch.sampling[scheduled.request_id].token_ids
                 del token_ids[scheduled.token_ids_from:]
                 token_ids.extend(scheduled.new_token_ids)
+            state = batch.sampling.get(scheduled.request_id)
+            if state is not None and state.prompt_logprobs is not None and (
+                    scheduled.num_computed_tokens >= len(state.prompt_logprobs)):  # rows before it were never here
+                invalid[scheduled.request_id] = (
+                    f"prompt_logprobs cannot be computed: the prompt's first {scheduled.num_computed_tokens} tokens "
+                    "were computed by another engine (an imported request); send it again")
         if invalid:  # raised once the diff is applied, so the batch stays in step with the scheduler
             raise RequestFailedError("; ".join(invalid.values()), list(invalid))
         result = ModelRunnerOutput(sampled_token_ids={})
         if not output.is_empty:
-            self._forward_and_sample(output, result)
+            scored = self._forward_and_sample(output, result)
+            self._keep_prompt_logprobs(output.scheduled, scored, result)
             connector.wait_for_save()
         connector.on_step_output(result.sampled_token_ids, result.logprobs, self.generator_state)
         result.finished_sending, result.finished_recving = connector.get_finished(output.finished_request_ids)
@@ -100,7 +115,10 @@ class ModelRunner:
         result.kv_connector_output = connector.take_connector_output()
         return result
 
-    def _forward_and_sample(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+    def _forward_and_sample(self, output: SchedulerOutput,
+                            result: ModelRunnerOutput) -> dict[str, list[TokenLogprobs]]:
+        """One forward, then the sampling rows' tokens into `result`. Returns the prompt logprobs
+        the step's rows scored (`_score_prompts`), which the caller keeps once the step succeeded."""
         persistent = self.persistent_batch
         sampling = persistent.sampling
         scheduled = output.scheduled
@@ -116,14 +134,15 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, intermediate)
         if not parallel.is_last_stage:
             parallel.send_to_next_stage(list(hidden))
-            return
+            return {}
+        scored = self._score_prompts(batch, scheduled, hidden)
         if not batch.sample_request_ids:
             if self.drafter is not None:  # the draft model's KV follows every computed row, prompt chunks too
                 self.drafter.propose(batch, scheduled, token_ids, tables, {})
-            return
+            return scored
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if logits is None:  # a tensor-parallel rank that only lent its vocabulary shard
-            return
+            return scored
         ids = batch.sample_request_ids
         states = [sampling[request_id] for request_id in ids]
         by_id = {s.request_id: s for s in scheduled}
@@ -136,8 +155,10 @@ class ModelRunner:
             runs = sample_runs(logits, states, drafts, self.generator)  # modifies logits in place
         except InvalidRowsError as error:
             culprits = [ids[index] for index in error.rows]
-            raise RequestFailedError("sampling failed: the request's logits, after its penalties and temperature, "
-                                     "are not a probability distribution (NaN or infinite)", culprits) from None
+            raise RequestFailedError("sampling failed: the request's logits, after its penalties, token masks "
+                                     "(allowed_token_ids, bad_words, min_tokens) and temperature, are not a "
+                                     "probability distribution (NaN or infinite, or every token masked)",
+                                     culprits) from None
         if wants_logprobs:  # one record per accepted token, from the row that scored it
             where = {row: i for i, row in enumerate(logprob_rows)}
             rows = [where[first_rows[i] + j] for i in wants_logprobs for j in range(len(runs[i]))]
@@ -150,30 +171,89 @@ class ModelRunner:
         if not self.tokens_from_steps:
             for state, run in zip(states, runs):  # the step succeeded: only now does any state change
                 state.token_ids.extend(run)
+        return scored
+
+    def _score_prompts(self, batch: ForwardBatch, scheduled: list[ScheduledRequest],
+                       hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+        """prompt_logprobs: per request still gathering them, the records of the prompt tokens
+        this step's rows predict (the row at position p predicts token p + 1), from the raw
+        logits, with the request's top k. Empty on a rank that computes no logits. The rows are
+        turned into logits PROMPT_LOGPROB_ROWS at a time, which bounds the memory a long chunk
+        takes ([rows, vocab] floats)."""
+        sampling = self.persistent_batch.sampling
+        rows: list[int] = []
+        targets: list[int] = []
+        num_top: list[int] = []
+        owners: list[tuple[str, int]] = []
+        for s in scheduled:
+            state = sampling[s.request_id]
+            count = _num_prompt_rows(s, state)
+            if count:
+                first = batch.first_rows[s.request_id]
+                rows.extend(range(first, first + count))
+                targets.extend(state.token_ids[s.num_computed_tokens + 1 : s.num_computed_tokens + 1 + count])
+                num_top.extend([state.params.prompt_logprobs] * count)
+                owners.append((s.request_id, count))
+        records: list[TokenLogprobs] = []
+        for start in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            part = slice(start, start + PROMPT_LOGPROB_ROWS)
+            logits = self.model.compute_logits(hidden[rows[part]])  # every rank calls it: it gathers the shards
+            if logits is not None:  # (None: a tensor-parallel rank that only lent its vocabulary shard)
+                records.extend(gather_logprobs(logits.log_softmax(dim=-1), targets[part], num_top[part]))
+        if not records:
+            return {}
+        found = iter(records)
+        return {request_id: [next(found) for _ in range(count)] for request_id, count in owners}
+
+    def _keep_prompt_logprobs(self, scheduled: list[ScheduledRequest], scored: dict[str, list[TokenLogprobs]],
+                              result: ModelRunnerOutput) -> None:
+        """After a step that succeeded: each request gathering prompt logprobs keeps the step's
+        (in place of any from before a preemption; placeholders on a rank that scored nothing,
+        so every rank counts alike), and hands them all out in the step that samples its first
+        token."""
+        sampling = self.persistent_batch.sampling
+        for s in scheduled:
+            state = sampling[s.request_id]
+            gathered = state.prompt_logprobs
+            if gathered is None:
+                continue
+            del gathered[s.num_computed_tokens + 1 :]
+            gathered.extend(scored.get(s.request_id) or [None] * _num_prompt_rows(s, state))
+            if s.sample:
+                result.prompt_logprobs[s.request_id] = gathered
+                state.prompt_logprobs = None
 
     def _new_state(self, new: NewRequestData) -> tuple[SamplingState, str | None]:
         """The request's sampler state, and what is wrong with its data, if anything (the
         frontend checks this; a request that reaches the core another way is checked here)."""
         problem, generator = None, None
+        params = new.sampling_params
         tokens = new.prompt_token_ids + new.output_token_ids
         if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
             problem = f"a token id of the request is outside the vocabulary [0, {self.vocab_size})"
+        masked = [*(params.allowed_token_ids or ()), *(t for word in params.bad_words_token_ids or () for t in word)]
+        if masked and not 0 <= min(masked) <= max(masked) < self.vocab_size:
+            problem = f"allowed_token_ids or bad_words name a token outside the vocabulary [0, {self.vocab_size})"
+        if params.bad_words and params.bad_words_token_ids is None:
+            problem = "bad_words were not tokenized (the frontend's input processor does it)"
         try:
-            if new.sampling_params.seed is not None:
-                generator = torch.Generator().manual_seed(new.sampling_params.seed)
+            if params.seed is not None:
+                generator = torch.Generator().manual_seed(params.seed)
         except (RuntimeError, TypeError, OverflowError) as error:
-            problem = f"seed {new.sampling_params.seed!r} is not usable: {error}"
+            problem = f"seed {params.seed!r} is not usable: {error}"
         if generator is not None and new.generator_state is not None:  # an imported request continues its stream
             try:
                 generator.set_state(torch.frombuffer(bytearray(new.generator_state), dtype=torch.uint8))
             except (RuntimeError, TypeError, ValueError) as error:
                 problem = f"the imported request's generator state is not usable: {error}"
         state = SamplingState(
-            params=new.sampling_params,
+            params=params,
             token_ids=list(tokens),
             num_prompt_tokens=len(new.prompt_token_ids),
             eos_token_id=new.eos_token_id,
             generator=generator,
+            # an imported request with output had its prompt logprobs handed out by the engine it came from
+            prompt_logprobs=[None] if params.prompt_logprobs is not None and not new.output_token_ids else None,
         )
         return state, problem
 
@@ -191,3 +271,12 @@ class ModelRunner:
         if state is None or state.generator is None:
             return None
         return state.generator.get_state().numpy().tobytes()
+
+
+def _num_prompt_rows(scheduled: ScheduledRequest, state: SamplingState) -> int:
+    """How many of the step's rows of the request predict a prompt token whose logprob it is
+    gathering: those at positions before the prompt's last (whose row predicts the output)."""
+    if state.prompt_logprobs is None:
+        return 0
+    start = scheduled.num_computed_tokens
+    return max(min(start + scheduled.num_scheduled_tokens, state.num_prompt_tokens - 1) - start, 0)

@@ -1,6 +1,6 @@
-"""Logits -> next tokens: penalties, min_tokens, then greedy or temperature/top-k/top-p/min-p
-sampling. Seeded requests draw from their own generator, so their stream is reproducible
-whatever else shares the batch."""
+"""Logits -> next tokens: allowed tokens and bad words, penalties, min_tokens, then greedy or
+temperature/top-k/top-p/min-p sampling. Seeded requests draw from their own generator, so their
+stream is reproducible whatever else shares the batch."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ class SamplingState:
     num_prompt_tokens: int
     eos_token_id: int | None
     generator: torch.Generator | None  # set when the request has a seed
+    # prompt_logprobs: the records gathered so far, index i for prompt token i (None for the first, which
+    # nothing predicts); None when not asked for, or once handed out with the first sampled token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -65,6 +68,7 @@ def sample_runs(logits: torch.Tensor, states: list[SamplingState], drafts: list[
         row_states.extend(replace(state, token_ids=state.token_ids + state_drafts[:j])
                           for j in range(1, len(state_drafts) + 1))
         owner.extend([index] * (1 + len(state_drafts)))
+    _mask_banned(logits, row_states)
     _apply_penalties(logits, row_states)
     _mask_stops_before_min_tokens(logits, row_states)
     chosen = logits.argmax(dim=-1)
@@ -122,6 +126,25 @@ def sample_runs(logits: torch.Tensor, states: list[SamplingState], drafts: list[
         if states[index].params.is_greedy:
             runs[index][-1] = chosen[row]
     return runs
+
+
+def _mask_banned(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    """Every token outside the request's allowed_token_ids, and the last token of each bad word
+    whose other tokens end the output so far (the prompt does not count, as in vLLM), to -inf.
+    In place."""
+    for row, state in enumerate(states):
+        params = state.params
+        if params.allowed_token_ids is not None:
+            allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+            kept = logits[row, allowed]
+            logits[row] = float("-inf")
+            logits[row, allowed] = kept
+        if params.bad_words_token_ids:
+            output = state.token_ids[state.num_prompt_tokens :]
+            banned = [word[-1] for word in params.bad_words_token_ids
+                      if len(word) == 1 or output[len(output) - len(word) + 1 :] == word[:-1]]
+            if banned:
+                logits[row, banned] = float("-inf")
 
 
 def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:

@@ -81,7 +81,7 @@ class Worker:
         return self.parallel.kv_config(self.model_config)
 
     def determine_num_kv_blocks(self) -> int:
-        """KV blocks that fit `kv_cache_memory_gb` (per rank: its share of the KV; with a draft
+        """KV blocks that fit the KV memory (`kv_cache_bytes`; per rank: its share of the KV; with a draft
         model, the draft's KV of every block too), or exactly `num_kv_blocks`."""
         config = self.config
         if config.num_kv_blocks:
@@ -90,7 +90,7 @@ class Worker:
         per_token = kv_bytes_per_token(self.kv_config, dtype)
         if self.draft_config is not None:
             per_token += kv_bytes_per_token(self.draft_config, dtype)
-        return num_blocks_for_memory(per_token, config.kv_cache_memory_gb, config.block_size)
+        return num_blocks_for_memory(per_token, config.kv_cache_bytes, config.block_size)
 
     def load_model(self, max_model_len: int) -> None:
         self.model = load_model(self.source, self.model_config, self.config.dtype, max_model_len, self.parallel)

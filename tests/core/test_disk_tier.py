@@ -365,12 +365,12 @@ def test_the_tiers_counters_reach_metrics():
                        store_seconds_total=0.5, corrupt_blocks_total=1, stored_files=2, stored_bytes=8192)
     metrics.observe(None, [], SchedulerStats(**base, kv_tier=tier))
     text = metrics.render().decode()
-    for line in ('chunkserve:hicache_hit_tokens_total{model_name="m"} 64.0',
-                 'chunkserve:hicache_load_bytes_total{model_name="m"} 4096.0',
-                 'chunkserve:hicache_load_seconds_total{model_name="m"} 0.25',
-                 'chunkserve:hicache_store_bytes_total{model_name="m"} 8192.0',
-                 'chunkserve:hicache_store_seconds_total{model_name="m"} 0.5',
-                 'chunkserve:hicache_corrupt_blocks_total{model_name="m"} 1.0',
-                 'chunkserve:hicache_stored_bytes{model_name="m"} 8192.0',
-                 'chunkserve:prefix_cache_hits_total{model_name="m"} 32.0'):
+    for line in ('chunkserve:hicache_hit_tokens_total{engine="0",model_name="m"} 64.0',
+                 'chunkserve:hicache_load_bytes_total{engine="0",model_name="m"} 4096.0',
+                 'chunkserve:hicache_load_seconds_total{engine="0",model_name="m"} 0.25',
+                 'chunkserve:hicache_store_bytes_total{engine="0",model_name="m"} 8192.0',
+                 'chunkserve:hicache_store_seconds_total{engine="0",model_name="m"} 0.5',
+                 'chunkserve:hicache_corrupt_blocks_total{engine="0",model_name="m"} 1.0',
+                 'chunkserve:hicache_stored_bytes{engine="0",model_name="m"} 8192.0',
+                 'chunkserve:prefix_cache_hits_total{engine="0",model_name="m"} 32.0'):
         assert line in text, line

@@ -204,3 +204,28 @@ def test_block_hashes_are_a_sha256_chain():
     probe = request("probe", block + block + [1])
     scheduler.kv.get_computed_blocks(probe)
     assert scheduler.kv.block_hashes("probe") == [first, hash_block(first, block)]
+
+
+def test_a_prompt_whose_next_block_another_request_is_computing_waits_and_reads_it():
+    """n samples of one prompt, or the same system prompt twice at once: admitted together,
+    each would compute the shared blocks; the second waits until the first has, then reads them."""
+    scheduler, runner = make_scheduler(max_num_batched_tokens=16), FakeRunner()
+    shared = tokens(7, 30)  # 7 full blocks and 2 tokens
+    first, second = request("first", shared), request("second", shared)
+    third = request("other", tokens(8, 10))  # behind them, unrelated: it is not held up
+    scheduled: list[list[str]] = []
+    outputs = run(scheduler, [first, second, third], runner=runner,
+                  check=lambda s, output: scheduled.append([r.request_id for r in output.scheduled]))
+    first_step = {rid: next(i for i, step in enumerate(scheduled) if rid in step) for rid in ("second", "other")}
+    assert first_step["other"] <= first_step["second"] and first_step["second"] >= 2  # "other" was not held up
+    assert second.num_cached_tokens == 28  # every full block, computed once
+    assert runner.num_computed == 30 + 3 + (30 - 28) + 3 + 10 + 3
+    assert outputs["first"] == outputs["second"]
+
+
+def test_no_waiting_without_prefix_caching():
+    scheduler = make_scheduler(enable_prefix_caching=False, max_num_batched_tokens=64)
+    first, second = request("first", tokens(7, 30)), request("second", tokens(7, 30))
+    for r in (first, second):
+        scheduler.add_request(r)
+    assert [s.request_id for s in scheduler.schedule().scheduled] == ["first", "second"]

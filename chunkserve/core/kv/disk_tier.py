@@ -130,7 +130,7 @@ class DiskTierScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         first = num_computed_tokens // self.block_size
         last = (request.num_tokens - 1) // self.block_size  # the last token is always computed
-        if first >= last or not self._index:
+        if first >= last or not self._index or request.skip_reading_prefix_cache:
             return 0, False
         found = []
         for block_hash in self.kv.block_hashes_for(request, last)[first:]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from chunkserve.core.kv.block_pool import BlockPool
 from chunkserve.core.request import Request
@@ -82,8 +82,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest run of cached blocks that starts the request's tokens, and how many
         tokens they hold. The last token is never covered, so at least one token is computed
-        and there are logits to sample from. ([], 0) when caching is off."""
-        if not self.enable_caching:
+        and there are logits to sample from. ([], 0) when caching is off or the request skips
+        reading it."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         hashes = self.block_hashes_for(request, (request.num_tokens - 1) // self.block_size)
         blocks = []
@@ -93,6 +94,26 @@ class KVCacheManager:
                 break
             blocks.append(block_id)
         return blocks, len(blocks) * self.block_size
+
+    def next_block_in_flight(self, request: Request, num_cached_blocks: int, others: Iterable[Request]) -> bool:
+        """Whether one of `others` is computing the request's next block (the one after its
+        `num_cached_blocks` cached ones) as a prompt block of its own: the same tokens after
+        the same prefix, not registered yet. Admitted now, the request would compute it a
+        second time; a little later it reads it from the cache (n samples of one prompt, the
+        same system prompt arriving twice)."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return False
+        hashes = self.block_hashes_for(request, (request.num_tokens - 1) // self.block_size)
+        if num_cached_blocks >= len(hashes):
+            return False
+        for other in others:
+            if other.request_id == request.request_id:
+                continue
+            num_prompt_blocks = other.num_prompt_tokens // self.block_size
+            if self._num_registered.get(other.request_id, 0) <= num_cached_blocks < num_prompt_blocks and \
+                    self.block_hashes_for(other, num_prompt_blocks)[num_cached_blocks] == hashes[num_cached_blocks]:
+                return True
+        return False
 
     def cache_full_blocks(self, request: Request, num_verified_tokens: int) -> None:
         """Register the request's full blocks among its first `num_verified_tokens` tokens,

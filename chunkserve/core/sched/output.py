@@ -114,12 +114,15 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     """What a step produced, per request whose `sample` flag was set: the tokens it accepts
     (its sampled token, after any accepted drafts: 1 + accepted drafts, in order), their
-    logprobs for the requests that asked for them, and draft tokens proposed for its next
-    step. `finished_sending` / `finished_recving`: requests whose KV the connector has
-    finished sending (their blocks may be freed) or receiving (they may run)."""
+    logprobs for the requests that asked for them, the prompt's logprobs for those that asked
+    (with their first token: one per prompt token, None for the first), and draft tokens
+    proposed for its next step. `finished_sending` / `finished_recving`: requests whose KV
+    the connector has finished sending (their blocks may be freed) or receiving (they may
+    run)."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
@@ -173,6 +176,7 @@ class EngineCoreOutput(NamedTuple):
     first_scheduled_time: float | None = None  # wall clock of the step that first scheduled it
     error: str | None = None  # set when the engine failed the request (finish_reason "abort"): why
     kv_transfer_failed: bool = False  # the error is a failed KV transfer (disaggregation): retryable, HTTP 503
+    new_prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked for
 
     @property
     def finished(self) -> bool:

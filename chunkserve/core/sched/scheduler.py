@@ -344,7 +344,8 @@ class Scheduler:
                 request.spec_token_ids = list(runner_output.draft_token_ids.get(request.request_id, ()))
                 continuing.append(request)
             logprobs = runner_output.logprobs.get(request.request_id)
-            outputs.append(self.output_of(request, accepted[:count], None if logprobs is None else logprobs[:count]))
+            outputs.append(self.output_of(request, accepted[:count], None if logprobs is None else logprobs[:count],
+                                          runner_output.prompt_logprobs.get(request.request_id)))
         self._in_flight.pop(id(output), None)
         if self.ngram is not None and continuing:
             self._propose_ngrams(continuing)
@@ -365,10 +366,12 @@ class Scheduler:
         return DecodeLoad.of([r.num_computed_tokens for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens])
 
     @staticmethod
-    def output_of(request: Request, new_token_ids: list[int], new_logprobs=None) -> EngineCoreOutput:
+    def output_of(request: Request, new_token_ids: list[int], new_logprobs=None,
+                  new_prompt_logprobs=None) -> EngineCoreOutput:
         return EngineCoreOutput(
             request.request_id, new_token_ids, new_logprobs, request.status.finish_reason, request.stop_reason,
             request.num_cached_tokens or 0, request.num_preemptions, request.first_scheduled_time,
+            new_prompt_logprobs=new_prompt_logprobs,
         )
 
     # ----- the three phases -----------------------------------------------------------
@@ -406,6 +409,8 @@ class Scheduler:
         if len(self.running) + len(self._remote_kv_tokens) >= self.config.max_num_seqs or step.budget < 1:
             return Admission.STOP  # (requests loading remote KV hold a sequence slot already)
         cached_blocks, num_cached = self.kv.get_computed_blocks(request)
+        if self.kv.next_block_in_flight(request, len(cached_blocks), self.running):
+            return Admission.SKIPPED  # another request is computing its next block: it reads it from the cache later
         available = self.kv.num_available_blocks(cached_blocks)
         if request.num_preemptions and any(map(self._may_run, self.running)) and available < self.kv.num_blocks_for(
                 request.num_prompt_tokens + request.max_tokens):

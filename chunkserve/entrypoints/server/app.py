@@ -1,7 +1,8 @@
 """The HTTP server: routes, error bodies, guards, and the process around them.
 
-The engine loads before the port opens, so a client that sees the port answering can be
-served. On SIGINT/SIGTERM uvicorn stops accepting connections and lets in-flight requests
+The port is bound before the engine loads (a port in use fails at once, not after a minute of
+loading), and answers once the engine is ready, so a client that sees the port answering can
+be served. On SIGINT/SIGTERM uvicorn stops accepting connections and lets in-flight requests
 finish for `--shutdown-timeout` seconds; whatever is still running is then aborted, the
 engine core stops and the process exits 0. If the engine core dies instead, its requests
 fail at once and the server exits 1, so a supervisor restarts it (vLLM's behaviour); with
@@ -16,6 +17,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,6 +26,7 @@ from typing import Literal
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -35,17 +38,22 @@ from chunkserve.entrypoints.args import ServerArgs
 from chunkserve.entrypoints.server.http_protocol import header_timeout_protocol
 from chunkserve.entrypoints.server.metrics import EngineMetrics
 from chunkserve.entrypoints.server.middleware import (
+    OPEN_PATHS,
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
 )
 from chunkserve.entrypoints.server.openapi import document_request_bodies
 from chunkserve.entrypoints.server.protocol import (
+    AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
+    TokenizeRequest,
     error_body,
 )
 from chunkserve.entrypoints.server.serving import Serving
+from chunkserve.entrypoints.server.stats_log import INTERVAL_S as STATS_INTERVAL_S, StatsLogger
 from chunkserve.entrypoints.server.trace import StepTraceWriter
 from chunkserve.errors import (
     EngineDeadError,
@@ -60,19 +68,26 @@ MAX_VALIDATION_ERRORS = 3
 SHUTDOWN_BACKSTOP_S = 5.0  # after the grace period and the aborts, uvicorn cancels what is left
 ENGINE_DEATH_SHUTDOWN_S = 3.0  # a dead engine's requests have failed already: the server exits quickly
 RESTART_RETRY_AFTER_S = "10"  # what a client is told to wait while a new engine core loads
-ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/debug/steps", "/debug/check", "/export_request", "/import_request"})
+ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/flush_cache", "/debug/steps", "/debug/check", "/export_request",
+                         "/import_request"})
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+SECRET_ARGS = frozenset({"api_key", "admin_api_key"})
 
 
-def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: ServerArgs,
+def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_names: list[str], args: ServerArgs,
               engine_args: EngineArgs) -> FastAPI:
-    serving = Serving(engine, model_name, args.max_prompts_per_request)
+    """`model_names`: what requests may name; the first is what responses name."""
+    model_name = model_names[0]
+    serving = Serving(engine, model_names, args.max_prompts_per_request, args.response_role,
+                      args.enable_log_requests, args.max_log_len, args.return_tokens_as_token_ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         engine.shutdown()  # aborts whatever the graceful-shutdown window left running
 
-    app = FastAPI(title="chunkserve", version=VERSION, lifespan=lifespan)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if args.disable_fastapi_docs else {}
+    app = FastAPI(title="chunkserve", version=VERSION, lifespan=lifespan, **docs)
     _add_error_handlers(app, RESTART_RETRY_AFTER_S if args.restart_engine_on_failure else None)
 
     # Bodies are parsed here rather than by FastAPI so that any Content-Type is read as JSON
@@ -89,17 +104,35 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
     async def generate(raw: Request):
         return await serving.generate(GenerateRequest.model_validate_json(await raw.body()), raw)
 
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        return await serving.tokenize(TokenizeRequest.model_validate_json(await raw.body()))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        return await serving.detokenize(DetokenizeRequest.model_validate_json(await raw.body()))
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "chunkserve",
-                "max_model_len": engine.info.max_model_len}
-        return {"object": "list", "data": [card]}
+        cards = [{"id": name, "object": "model", "created": 0, "owned_by": "chunkserve", "root": model_name,
+                  "max_model_len": engine.info.max_model_len} for name in model_names]
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def health():
         if not engine.is_running:
             raise EngineDeadError("the engine is not running")
         return {}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """SageMaker's health check (vLLM serves it): /health's answer."""
+        return await health()
+
+    @app.get("/load")
+    async def load():
+        """Requests in flight (vLLM's server load): what a load balancer spreads by."""
+        return {"server_load": engine.num_requests_in_flight}
 
     @app.get("/version")
     async def version():
@@ -125,6 +158,43 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
             return _error(409, "the prefix cache can only be reset while no request is running or waiting; "
                                "retry when the server is idle", "conflict_error")
         return {}
+
+    # ----- SGLang's native endpoints ------------------------------------------------------------
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        """SGLang's name for /reset_prefix_cache (an admin endpoint here too)."""
+        return await reset_prefix_cache()
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return {"model_path": engine_args.model or engine.info.model_name,
+                "tokenizer_path": engine_args.tokenizer or engine_args.model or engine.info.model_name,
+                "is_generation": True, "served_model_names": model_names}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        """The launch settings (keys left out) and the engine's limits, as SGLang's endpoint."""
+        settings = {**dataclasses.asdict(engine_args), **dataclasses.asdict(args)}
+        return {**{k: v for k, v in settings.items() if k not in SECRET_ARGS}, "version": VERSION,
+                "max_model_len": engine.info.max_model_len}
+
+    @app.post("/abort_request")
+    async def abort_request(raw: Request):
+        """SGLang's: abort the request with this rid (/generate's rid), or every request with abort_all."""
+        body = AbortRequest.model_validate_json(await raw.body())
+        if body.abort_all:
+            engine.abort_all()
+        elif body.rid:
+            engine.abort(body.rid)
+        else:
+            raise InvalidRequestError("give rid (a request id) or abort_all: true", "rid")
+        return {}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        """SGLang's deep health check: the engine generates one token within a time limit."""
+        return await serving.health_generate(HEALTH_GENERATE_TIMEOUT_S)
 
     @app.post("/export_request")
     async def export_request(raw: Request, rid: str, mode: Literal["copy", "pause"] = "copy"):
@@ -153,10 +223,14 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_name: str, args: S
                                   "/generate": GenerateRequest})
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes,
                        read_timeout_s=args.request_read_timeout, unlimited_paths=frozenset({"/import_request"}))
-    app.add_middleware(  # outermost: checked before the body is read
-        ApiKeyMiddleware, api_key=args.api_key or os.environ.get("CHUNKSERVE_API_KEY") or None,
+    app.add_middleware(  # checked before the body is read
+        ApiKeyMiddleware,
+        api_key=args.api_key or os.environ.get("CHUNKSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None,
         admin_api_key=args.admin_api_key or os.environ.get("CHUNKSERVE_ADMIN_API_KEY") or None,
-        admin_paths=ADMIN_PATHS)
+        admin_paths=ADMIN_PATHS, open_paths=OPEN_PATHS - {"/metrics"} if args.protect_metrics else OPEN_PATHS)
+    app.add_middleware(  # outermost: a browser's preflight (OPTIONS, no credentials) is answered here
+        CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+        allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     return app
 
 
@@ -235,23 +309,49 @@ class _GracefulServer(uvicorn.Server):
             aborter.cancel()
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now: a port in use is an error before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise InvalidRequestError(f"cannot listen on {host}:{port}: {error.strerror} (is another server running "
+                                  f"there? choose another --port)") from None
+    return sock
+
+
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     if engine_args.disaggregation_mode == "prefill":  # the bootstrap port listens where the server does
         engine_args = dataclasses.replace(engine_args, disaggregation_bootstrap_host=server_args.host)
+    listener = bind_socket(server_args.host, server_args.port)
     multiprocess = not server_args.disable_frontend_multiprocessing
-    engine = AsyncLLM.from_engine_args(engine_args, max_waiting_requests=server_args.max_waiting_requests,
-                                       multiprocess=multiprocess, max_unread_outputs=server_args.max_unread_outputs)
-    model_name = server_args.served_model_name or engine.info.model_name
-    metrics = EngineMetrics(model_name)
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args, max_waiting_requests=server_args.max_waiting_requests,
+                                           multiprocess=multiprocess, max_unread_outputs=server_args.max_unread_outputs)
+    except BaseException:
+        listener.close()
+        raise
+    model_names = server_args.served_model_name or [engine.info.model_name]
+    metrics = EngineMetrics(model_names[0], max_model_len=engine.info.max_model_len, engine_args=engine_args)
     engine.observers.append(metrics.observe)
+    if not server_args.disable_log_stats:
+        engine.observers.append(StatsLogger(float(os.environ.get("CHUNKSERVE_LOG_STATS_INTERVAL", STATS_INTERVAL_S))
+                                            ).observe)
     trace = StepTraceWriter(server_args.trace_steps) if server_args.trace_steps else None
     if trace is not None:
         engine.observers.append(trace.observe)
-    app = build_app(engine, metrics, model_name, server_args, engine_args)
+    app = build_app(engine, metrics, model_names, server_args, engine_args)
+    uvicorn_level = server_args.uvicorn_log_level or server_args.log_level
     config = uvicorn.Config(
-        app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
+        app, log_level=uvicorn_level, root_path=server_args.root_path or "",
         timeout_graceful_shutdown=server_args.shutdown_timeout + SHUTDOWN_BACKSTOP_S,
-        access_log=server_args.log_level == "debug", http=header_timeout_protocol(server_args.request_read_timeout),
+        access_log=uvicorn_level in ("debug", "trace") and not server_args.disable_uvicorn_access_log,
+        http=header_timeout_protocol(server_args.request_read_timeout), ssl_keyfile=server_args.ssl_keyfile,
+        ssl_certfile=server_args.ssl_certfile, ssl_ca_certs=server_args.ssl_ca_certs,
+        ssl_cert_reqs=server_args.ssl_cert_reqs,
     )
     server = _GracefulServer(config, engine, server_args.shutdown_timeout)
     failed = False
@@ -278,9 +378,10 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     # returns lets the process end normally (exit 0) after the graceful shutdown.
     for stop_signal in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop_signal, lambda *_: None)
-    logger.info("serving %s on http://%s:%d", model_name, server_args.host, server_args.port)
+    scheme = "https" if server_args.ssl_certfile else "http"
+    logger.info("serving %s on %s://%s:%d", model_names[0], scheme, server_args.host, server_args.port)
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
         engine.shutdown()
         if trace is not None:

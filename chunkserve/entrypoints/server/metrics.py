@@ -1,4 +1,9 @@
-"""Prometheus metrics, named after vLLM's with a `chunkserve:` prefix.
+"""Prometheus metrics, named after vLLM's with a `chunkserve:` prefix, so that a vLLM Grafana
+dashboard works once `vllm:` is renamed (docs/grafana.json is vLLM's layout with a few panels more).
+
+vLLM's metrics keep vLLM's meaning, type, buckets and labels: `model_name`, and `engine` (vLLM
+numbers its data-parallel engine cores; a server here has one, "0"). /metrics also carries the
+frontend process's `process_*` and `python_*` metrics, as vLLM's does.
 
 `EngineMetrics.observe` is an AsyncLLM step observer: it runs on the thread that receives
 the engine's events after every step (prometheus_client's metrics are thread-safe) and reads only the step record,
@@ -7,22 +12,72 @@ the outputs and the scheduler's stats.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
+from chunkserve.config.engine import EngineArgs
 from chunkserve.core.sched.output import SchedulerStats
 from chunkserve.engine.outputs import RequestOutput, StepRecord
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
-                    20.0, 40.0, 80.0, 160.0)
+ENGINE_INDEX = "0"  # the `engine` label's value: one engine core per server
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so that its dashboards' quantiles and heatmaps read the same
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                      40.0, 80.0)
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                            240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+# ours
+_STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                 80.0, 160.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FORWARD_MODES = ("EXTEND", "MIXED", "DECODE")
 FINISH_REASONS = ("stop", "length", "abort")
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value`: vLLM's buckets of per-request token counts."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def cache_config_labels(engine_args: EngineArgs) -> dict[str, str]:
+    """`cache_config_info`'s labels, named as vLLM's CacheConfig fields where they mean the same
+    (`num_gpu_blocks`, the pool's size, comes from the engine's stats)."""
+    return {
+        "block_size": str(engine_args.block_size),
+        "cache_dtype": "auto",  # the KV pool holds the model's dtype, which vLLM calls auto
+        "enable_prefix_caching": str(engine_args.enable_prefix_caching),
+        "prefix_caching_hash_algo": "sha256",
+        "num_gpu_blocks_override": str(engine_args.num_kv_blocks),
+    }
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+                 engine_args: EngineArgs | None = None) -> None:
+        """`max_model_len` bounds the buckets of per-request token counts (as vLLM's);
+        `engine_args` gives `cache_config_info` its labels (without them it has the pool's size only)."""
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
+        labels = {"model_name": model_name, "engine": ENGINE_INDEX}
         names = list(labels)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
@@ -40,8 +95,15 @@ class EngineMetrics:
         self.num_requests_swapped = gauge(
             "num_requests_swapped", "Preempted requests waiting to be recomputed (vLLM's name)")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)")
+        self.gpu_cache_usage = gauge(
+            "gpu_cache_usage_perc", "kv_cache_usage_perc under vLLM's older name, which its dashboards still read")
         self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "KV cache blocks in the free pool")
         self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "KV cache blocks in the pool")
+        self._cache_config = cache_config_labels(engine_args) if engine_args is not None else {}
+        self.cache_config_info = Gauge(
+            "chunkserve:cache_config_info", "The KV cache's configuration as labels (the value is always 1)",
+            names + [*self._cache_config, "num_gpu_blocks"], registry=self.registry)
+        self._cache_info_blocks: int | None = None  # the pool size cache_config_info shows
         self.num_preemptions = counter("num_preemptions", "Preemptions (by recompute)").labels(**labels)
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens of new requests looked up in the prefix cache (recomputes after "
@@ -65,22 +127,47 @@ class EngineMetrics:
         for mode in FORWARD_MODES:
             self.engine_steps.labels(**labels, forward_mode=mode)
         self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Arrival to first output token", _LATENCY_BUCKETS)
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Gap between a request's consecutive outputs (each step that brought it "
-            "tokens: several at once where speculative decoding accepted drafts)", _LATENCY_BUCKETS)
+            "time_to_first_token_seconds", "Arrival to first output token", _TTFT_BUCKETS)
+        gap = ("Gap between a request's consecutive outputs (one per step that brought it tokens: several at once "
+               "where speculative decoding accepted drafts)")
+        self.inter_token_latency = histogram("inter_token_latency_seconds", gap, _TOKEN_GAP_BUCKETS)
         self.time_per_output_token = histogram(
-            "time_per_output_token_seconds", "Per request: (last - first token time) / (tokens - 1)",
-            _LATENCY_BUCKETS)
+            "time_per_output_token_seconds", f"{gap}; inter_token_latency_seconds under vLLM's older name",
+            _TOKEN_GAP_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds", "Per request of 2 tokens or more: (last - first token time) / "
+            "(tokens - 1)", _TOKEN_GAP_BUCKETS)
         self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
+            "e2e_request_latency_seconds", "Arrival to finish", _REQUEST_LATENCY_BUCKETS)
         self.request_queue_time = histogram(
-            "request_queue_time_seconds", "Arrival to first scheduled", _LATENCY_BUCKETS)
+            "request_queue_time_seconds", "Arrival to first scheduled (WAITING)", _REQUEST_LATENCY_BUCKETS)
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token (PREFILL)", _REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "First token to last token (DECODE)", _REQUEST_LATENCY_BUCKETS)
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled to last token (RUNNING: prefill and decode)",
+            _REQUEST_LATENCY_BUCKETS)
+        token_counts = one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished request", token_counts)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Output tokens of each finished request", token_counts)
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Output tokens of the longest of a finished request's samples",
+            token_counts)
+        self.request_params_n = histogram("request_params_n", "The n of each finished request", _N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens of each finished request (when none was given: what "
+            "max_model_len left it)", token_counts)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens computed per engine step (prompt and decode; steps with any)",
+            _ITERATION_TOKEN_BUCKETS)
         self.step_prefill_tokens = histogram(
             "step_prefill_tokens", "Prompt tokens per engine step (steps with any)", _TOKEN_BUCKETS)
         self.step_decode_batch_size = histogram(
             "step_decode_batch_size", "Decode tokens per engine step (steps with any)", _TOKEN_BUCKETS)
-        self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step", _LATENCY_BUCKETS)
+        self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step", _STEP_BUCKETS)
         error = Gauge("chunkserve:step_time_prediction_relative_error",
                       "|predicted - actual| / actual step time of the step-time model over recent steps, by quantile",
                       names + ["quantile"], registry=self.registry)
@@ -145,6 +232,12 @@ class EngineMetrics:
         self.num_requests_waiting.set(stats.num_waiting)
         self.num_requests_swapped.set(stats.num_preempted_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.gpu_cache_usage.set(stats.kv_cache_usage)
+        if stats.num_blocks != self._cache_info_blocks:  # the first stats, or a new engine core's pool
+            self.cache_config_info.clear()
+            self.cache_config_info.labels(**self._labels, **self._cache_config,
+                                          num_gpu_blocks=str(stats.num_blocks)).set(1)
+            self._cache_info_blocks = stats.num_blocks
         self.kv_cache_free_blocks.set(stats.num_free_blocks)
         self.kv_cache_total_blocks.set(stats.num_blocks)
         self._count_up_to(self.num_preemptions, stats.num_preemptions_total)
@@ -205,6 +298,8 @@ class EngineMetrics:
             self.comm_seconds.labels(**labels).inc(rank["comm_s"])
             self.rank_compute_seconds.labels(**labels).inc(rank["compute_s"])
         self.step_duration.observe(record.duration_s)
+        if record.num_prefill_tokens + record.num_decode_tokens:
+            self.iteration_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
         if record.num_prefill_tokens:
             self.step_prefill_tokens.observe(record.num_prefill_tokens)
         if record.num_decode_tokens:
@@ -226,13 +321,33 @@ class EngineMetrics:
                 self.prompt_tokens.inc(len(output.prompt_token_ids))
                 self.time_to_first_token.observe(times[0] - metrics.arrival_time)
             else:  # one gap per step that brought tokens, as vLLM
-                self.inter_token_latency.observe(times[-1] - times[-count - 1])
-        if not output.finished:
-            return
-        self.request_success.labels(**self._labels, finished_reason=completion.finish_reason).inc()
+                gap = times[-1] - times[-count - 1]
+                self.inter_token_latency.observe(gap)
+                self.time_per_output_token.observe(gap)
+        if output.finished:
+            self._observe_finished(output)
+
+    def _observe_finished(self, output: RequestOutput) -> None:
+        """vLLM's per-request histograms, observed once a request finished. A request here is
+        one sample: its n is 1 and its longest sample is itself."""
+        metrics = output.metrics
+        times = metrics.token_times
+        self.request_success.labels(**self._labels, finished_reason=output.outputs[0].finish_reason).inc()
         self.e2e_request_latency.observe(metrics.finished_time - metrics.arrival_time)
-        if metrics.first_scheduled_time is not None:
-            self.request_queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
-        if len(metrics.token_times) > 1:
-            span = metrics.token_times[-1] - metrics.token_times[0]
-            self.time_per_output_token.observe(span / (len(metrics.token_times) - 1))
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(len(times))
+        self.request_max_num_generation_tokens.observe(len(times))
+        self.request_params_n.observe(1)
+        if metrics.max_tokens is not None:
+            self.request_params_max_tokens.observe(metrics.max_tokens)
+        scheduled = metrics.first_scheduled_time
+        if scheduled is None:  # aborted while it waited: no phase after the queue began
+            return
+        self.request_queue_time.observe(scheduled - metrics.arrival_time)
+        if not times:
+            return
+        self.request_prefill_time.observe(times[0] - scheduled)
+        self.request_decode_time.observe(times[-1] - times[0])
+        self.request_inference_time.observe(times[-1] - scheduled)
+        if len(times) > 1:
+            self.request_time_per_output_token.observe((times[-1] - times[0]) / (len(times) - 1))

@@ -16,7 +16,8 @@ from typing import Any
 from chunkserve.entrypoints.server.protocol import error_body
 
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
-OPEN_PATHS = frozenset({"/health", "/server_info"})  # what a router or load balancer polls
+# what a router, a load balancer or Prometheus polls (vLLM leaves these open too)
+OPEN_PATHS = frozenset({"/health", "/server_info", "/ping", "/version", "/metrics"})
 CLOSE_HEADER = (b"connection", b"close")
 
 
@@ -51,7 +52,7 @@ def route_path(scope: dict) -> str:
 
 
 class ApiKeyMiddleware:
-    """/health and /server_info are open; `admin_paths` need the admin key (and answer 404 while there is none);
+    """`open_paths` are open; `admin_paths` need the admin key (and answer 404 while there is none);
     every other path needs the API key when one is set.
 
     The API key does not open admin paths: it is handed to every client, while the admin
@@ -60,8 +61,9 @@ class ApiKeyMiddleware:
     """
 
     def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None,
-                 admin_paths: frozenset[str]) -> None:
+                 admin_paths: frozenset[str], open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
+        self.open_paths = open_paths
         self.api_key = api_key.encode() if api_key else None
         self.admin_api_key = admin_api_key.encode() if admin_api_key else None
         self.admin_paths = admin_paths
@@ -70,7 +72,7 @@ class ApiKeyMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = route_path(scope)
-        if path in OPEN_PATHS:
+        if path in self.open_paths:
             return await self.app(scope, receive, send)
         if path in self.admin_paths:
             if self.admin_api_key is None:

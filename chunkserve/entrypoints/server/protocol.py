@@ -6,6 +6,8 @@ offline API, and the input processor checks sizes against the server's limits.""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,7 +23,9 @@ from chunkserve.sampling_params import (
     SamplingParams,
 )
 
+logger = logging.getLogger(__name__)
 TokenIds = list[int]
+MAX_N = 64  # most samples of one prompt a request may ask for
 Seed = Annotated[int, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])]
@@ -35,9 +39,55 @@ LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
                  Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]]
 
 
+def _absent(value: Any) -> bool:
+    return value in (None, False, [], {}, "")
+
+
+# Fields of OpenAI's and vLLM's requests that chunkserve cannot honour (yet): a 400 naming them,
+# unless the value asks for nothing (`tools: []`, `tool_choice: "none"`). vLLM answers 400 to
+# `suffix` too.
+_NO_TOOLS = "tool calling and structured outputs are not built yet"
+REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "suffix": ("suffix is not currently supported (as in vLLM)", _absent),
+    "tools": (_NO_TOOLS, _absent),
+    "functions": (_NO_TOOLS, _absent),
+    "tool_choice": (_NO_TOOLS, lambda v: _absent(v) or v == "none"),
+    "function_call": (_NO_TOOLS, lambda v: _absent(v) or v == "none"),
+    "response_format": (_NO_TOOLS, lambda v: _absent(v) or v == {"type": "text"}),
+    "structured_outputs": (_NO_TOOLS, _absent),
+    "guided_json": (_NO_TOOLS, _absent), "guided_regex": (_NO_TOOLS, _absent),
+    "guided_choice": (_NO_TOOLS, _absent), "guided_grammar": (_NO_TOOLS, _absent),
+    "json_schema": (_NO_TOOLS, _absent), "regex": (_NO_TOOLS, _absent), "ebnf": (_NO_TOOLS, _absent),
+    "prompt_embeds": ("prompt embeddings are not supported: send text or token ids", _absent),
+    "audio": ("audio output is not supported", _absent),
+    "modalities": ("only text output is supported", lambda v: _absent(v) or v == ["text"]),
+    "prediction": ("predicted outputs are not supported", _absent),
+    "web_search_options": ("web search is not supported", _absent),
+    "logits_processors": ("custom logits processors are not supported", _absent),
+    "mm_processor_kwargs": ("multimodal inputs are not supported", _absent),
+    "multi_modal_data": ("multimodal inputs are not supported", _absent),
+    "lora_path": ("LoRA adapters are not supported", _absent),
+}
+# Fields vLLM accepts and does nothing with on its OpenAI server: accepted here too, unlogged.
+ACCEPTED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort",
+                             "spaces_between_special_tokens", "request_id", "documents"})
+_logged_unknown: set[str] = set()
+
+
 class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do: clients send extras.
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    # Unknown fields are kept aside, not dropped unseen: check_fields refuses the ones asking for
+    # what chunkserve cannot do and logs the rest once per name (vLLM's behaviour).
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    def check_fields(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            refused = REFUSED_FIELDS.get(name)
+            if refused is not None and not refused[1](value):
+                raise InvalidRequestError(f"{name} is not supported: {refused[0]}", name)
+            if name not in ACCEPTED_FIELDS and name not in _logged_unknown and refused is None:
+                _logged_unknown.add(name)
+                logger.warning("request field %r is not known to chunkserve and was ignored (logged once per name)",
+                               name)
 
 
 class StreamOptions(_Body):
@@ -79,26 +129,39 @@ class _OpenAISampling(_Bootstrap):
     repetition_penalty: RepetitionPenalty | None = None
     skip_special_tokens: bool = True
     priority: Annotated[int, Field(ge=-(2**63), lt=2**63)] = 0
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1  # samples per prompt (choices), sharing the prompt's KV blocks
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # requests share cached prefixes only within a salt
     logit_bias: LogitBias | None = None  # token id (as a string, OpenAI's JSON) -> bias
+    # vLLM's extras
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    bad_words: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    prompt_logprobs: NumLogprobs | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N" (default: the server's flag)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise InvalidRequestError(f"n must be 1 (several choices per prompt are not supported), got {self.n}", "n")
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the model's generation config (--generation-config), for the fields the request leaves out."""
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
+        defaults = dict(defaults or {})
+        default_max_tokens = defaults.pop("max_tokens", None)
+        given = {**defaults, **{name: value for name, value in given.items() if value is not None}}
         return SamplingParams(
-            max_tokens=max_tokens, seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens, seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs, output_kind=output_kind(self.stream),
             logit_bias=None if self.logit_bias is None else {int(t): b for t, b in self.logit_bias.items()},
-            **{name: value for name, value in given.items() if value is not None},
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or [],
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.prompt_logprobs,
+            **given,
         )
 
     @property
@@ -146,12 +209,16 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
 
-    def chat_sampling_params(self) -> SamplingParams:
+    def chat_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, defaults)
+
+
+# SGLang's names in /generate's sampling_params for SamplingParams' fields
+GENERATE_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed"}
 
 
 class GenerateSamplingParams(_Body):
@@ -172,13 +239,17 @@ class GenerateSamplingParams(_Body):
     skip_special_tokens: bool = True
     sampling_seed: Seed | None = None
 
-    def to_sampling_params(self, stream: bool) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, min_tokens=self.min_new_tokens, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            skip_special_tokens=self.skip_special_tokens, seed=self.sampling_seed, output_kind=output_kind(stream),
+    def to_sampling_params(self, stream: bool, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the model's generation config, for the fields the request leaves out."""
+        unset = {name: value for name, value in (defaults or {}).items()
+                 if GENERATE_NAMES.get(name, name) not in self.model_fields_set}
+        return SamplingParams(**{
+            "max_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty, **unset,
+        }, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+            min_tokens=self.min_new_tokens, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, skip_special_tokens=self.skip_special_tokens,
+            seed=self.sampling_seed, output_kind=output_kind(stream),
         )
 
 
@@ -196,6 +267,29 @@ class GenerateRequest(_Bootstrap):
         if (self.text is None) == (self.input_ids is None):
             raise InvalidRequestError("give exactly one of text and input_ids", "text")
         return self.text if self.text is not None else self.input_ids
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: TokenIds
+
+
+class AbortRequest(_Body):
+    """SGLang's /abort_request."""
+
+    rid: str | None = None
+    abort_all: bool = False
 
 
 def output_kind(stream: bool) -> RequestOutputKind:

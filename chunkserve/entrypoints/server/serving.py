@@ -5,8 +5,10 @@ outputs into response bodies or server-sent events (one event per sampled token)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -23,17 +25,19 @@ from chunkserve.engine.outputs import RequestOutput
 from chunkserve.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    GENERATE_NAMES,
     ExportBody,
     GenerateRequest,
     TokenIds,
+    TokenizeRequest,
     error_body,
 )
-from chunkserve.errors import InvalidRequestError
+from chunkserve.errors import EngineDeadError, InvalidRequestError
 from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger(__name__)
 Event = dict[str, Any]
-# SGLang's names in /generate's sampling_params for SamplingParams' fields
-GENERATE_FIELDS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed"}
 
 
 def sse(payload: Event | str) -> str:
@@ -41,59 +45,123 @@ def sse(payload: Event | str) -> str:
     return f"data: {data}\n\n"
 
 
-def usage(outputs: list[RequestOutput], completion_tokens: int | None = None) -> dict[str, Any]:
+def usage(outputs: list[RequestOutput], completion_tokens: int | None = None, n: int = 1) -> dict[str, Any]:
     """OpenAI's usage object; `prompt_tokens_details.cached_tokens` counts the prompt tokens
-    read from the prefix cache. `completion_tokens`: counted by a stream (its outputs carry
+    read from the prefix cache. `outputs`: n samples of each prompt in turn (a prompt counts
+    once, by its first sample's). `completion_tokens`: counted by a stream (its outputs carry
     only what was new), else the outputs' own."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
     if completion_tokens is None:
         completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    cached = sum(o.num_cached_tokens for o in outputs)
+    cached = sum(o.num_cached_tokens for o in outputs[::n])
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class Serving:
-    def __init__(self, engine: AsyncLLM, model_name: str, max_prompts_per_request: int) -> None:
+    def __init__(self, engine: AsyncLLM, model_names: list[str], max_prompts_per_request: int,
+                 response_role: str = "assistant", log_requests: bool = False, max_log_len: int | None = None,
+                 return_tokens_as_token_ids: bool = False) -> None:
+        """`model_names`: what a request may name (--served-model-name); responses name the first."""
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = model_names
+        self.model_name = model_names[0]
         self.max_prompts_per_request = max_prompts_per_request
+        self.response_role = response_role
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids  # the server's default (a request may say)
         self.tokenizer = engine.tokenizer
         self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: self.tokenizer.decode([t]))
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise InvalidRequestError(f"model {model!r} does not exist; this server serves {self.model_name!r}", "model")
+        if model is not None and model not in self.model_names:
+            served = ", ".join(repr(name) for name in self.model_names)
+            raise InvalidRequestError(f"model {model!r} does not exist; this server serves {served}", "model")
+
+    async def health_generate(self, timeout_s: float) -> dict[str, Any]:
+        """One greedy token through the whole engine; EngineDeadError (503) if it does not come in time."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
+        (stream,) = await self._add_all(f"health-{uuid.uuid4().hex}", [[0]], params, 0, None)
+        try:
+            await asyncio.wait_for(_collect([stream]), timeout_s)
+        except asyncio.TimeoutError:
+            stream.abort()
+            raise EngineDeadError(f"the engine did not generate a token within {timeout_s:g} s") from None
+        return {}
+
+    # ----- /tokenize, /detokenize (vLLM's) ----------------------------------------------------
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        body.check_fields()
+        if body.messages is not None:
+            if body.prompt is not None:
+                raise InvalidRequestError("give prompt or messages, not both", "prompt")
+            tokens = await self.engine.apply_chat_template([m.as_template_message() for m in body.messages],
+                                                           body.add_generation_prompt)
+        elif body.prompt is not None:
+            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise InvalidRequestError("give prompt (text) or messages (a conversation)", "prompt")
+        strs = self.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": self.engine.info.max_model_len, "tokens": list(tokens),
+                "token_strs": strs}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        vocab = self.engine.info.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is out of range [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     # ----- /v1/completions -------------------------------------------------------------------
 
-    async def completions(self, body: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+    def check_request(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """What every OpenAI request must pass before any work: its model, its fields, its priority."""
         self.check_model(body.model)
+        body.check_fields()
+        if body.priority != 0 and self.engine.scheduling_policy != "priority":
+            raise InvalidRequestError("priority is only supported with --scheduling-policy priority (as in vLLM)",
+                                      "priority")
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        self.check_request(body)
         prompts = body.prompts()
-        if len(prompts) > self.max_prompts_per_request:
-            raise InvalidRequestError(f"prompt has {len(prompts)} prompts, over the limit of "
+        if len(prompts) * body.n > self.max_prompts_per_request:
+            raise InvalidRequestError(f"prompt has {len(prompts)} prompts x n = {body.n} samples, over the limit of "
                                       f"{self.max_prompts_per_request} (--max-prompts-per-request)", "prompt")
-        if body.echo and body.logprobs is not None:
-            raise InvalidRequestError("echo together with logprobs is not supported", "echo")
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.sampling_params(body.max_tokens, body.logprobs, self.engine.generation_defaults)
+        echo_logprobs = body.echo and body.logprobs is not None  # the echoed prompt's tokens get logprobs too
+        if echo_logprobs:
+            params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, params.prompt_logprobs or 0))
+        as_ids = self._tokens_as_ids(body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._add_all(request_id, prompts, params, body.priority, body.cache_salt,
-                                      kv_transfer_params=body.transfer_params())
+                                      kv_transfer_params=body.transfer_params(), n=body.n)
         head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
-        echoes = [self._prompt_text(p) if body.echo else "" for p in prompts]
+        echoes = [self._prompt_text(p) if body.echo else "" for p in prompts for _ in range(body.n)]
 
         def choice(index: int, output: RequestOutput, text: str, logprobs: list[TokenLogprobs] | None) -> Event:
-            completion = output.outputs[0]
-            return {
+            """`output.prompt_logprobs` is set in a request's first (or only) output."""
+            completion, prompt_records = output.outputs[0], output.prompt_logprobs
+            records = None if logprobs is None else [(r.token_id, r) for r in logprobs]
+            if records is not None and echo_logprobs and prompt_records is not None:
+                records = [*zip(output.prompt_token_ids, prompt_records), *records]
+            event = {
                 "index": index, "text": text,
-                "logprobs": None if logprobs is None else self._completion_logprobs(logprobs),
+                "logprobs": None if records is None else self._completion_logprobs(records, as_ids),
                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
             }
+            if body.prompt_logprobs is not None and prompt_records is not None:
+                event["prompt_logprobs"] = self._vllm_prompt_logprobs(output.prompt_token_ids, prompt_records)
+            return event
 
         if not body.stream:
             outputs = await _unless_disconnected(raw, _collect(streams))
             choices = [choice(i, o, echoes[i] + o.outputs[0].text, o.outputs[0].logprobs) for i, o in enumerate(outputs)]
-            return JSONResponse({**head, "choices": choices, "usage": usage(outputs)})
+            return JSONResponse({**head, "choices": choices, "usage": usage(outputs, n=body.n)})
 
         async def events() -> AsyncIterator[str]:
             finals: dict[int, RequestOutput] = {}
@@ -108,7 +176,8 @@ class Serving:
                 if output.finished:
                     finals[index] = output
             if body.include_usage:
-                yield sse({**head, "choices": [], "usage": usage(list(finals.values()), generated)})
+                yield sse({**head, "choices": [], "usage": usage([finals[i] for i in sorted(finals)], generated,
+                                                                 body.n)})
             yield sse("[DONE]")
 
         return _event_stream(events(), streams)
@@ -116,50 +185,58 @@ class Serving:
     # ----- /v1/chat/completions -------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
-        self.check_model(body.model)
+        self.check_request(body)
         messages = [m.as_template_message() for m in body.messages]
-        params = body.chat_sampling_params()
+        params = body.chat_sampling_params(self.engine.generation_defaults)
         prompt = await self.engine.apply_chat_template(messages, body.add_generation_prompt)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         streams = await self._add_all(request_id, [prompt], params, body.priority, body.cache_salt,
-                                      {"max_tokens": given, "logprobs": "top_logprobs"}, body.transfer_params())
+                                      {"max_tokens": given, "logprobs": "top_logprobs"}, body.transfer_params(), body.n)
         created = int(time.time())
+        as_ids = self._tokens_as_ids(body)
 
         def logprobs_of(records: list[TokenLogprobs] | None) -> Event | None:
-            return None if records is None else {"content": [self._chat_logprob(r) for r in records]}
+            return None if records is None else {"content": [self._chat_logprob(r, as_ids) for r in records]}
 
         if not body.stream:
-            (output,) = await _unless_disconnected(raw, _collect(streams))
-            completion = output.outputs[0]
+            outputs = await _unless_disconnected(raw, _collect(streams))
             return JSONResponse({
                 "id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": [{
-                    "index": 0, "message": {"role": "assistant", "content": completion.text},
+                    "index": index, "message": {"role": self.response_role, "content": completion.text},
                     "logprobs": logprobs_of(completion.logprobs),
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                }],
-                "usage": usage([output]),
+                } for index, completion in enumerate(o.outputs[0] for o in outputs)],
+                "usage": usage(outputs, n=body.n),
+                **({"prompt_logprobs": self._vllm_prompt_logprobs(outputs[0].prompt_token_ids,
+                                                                  outputs[0].prompt_logprobs)}
+                   if body.prompt_logprobs is not None and outputs[0].prompt_logprobs is not None else {}),
             })
 
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
 
         async def events() -> AsyncIterator[str]:
-            yield sse({**head, "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            ]})
-            final, generated = None, 0
-            async for _, output in _merge(streams):
+            for index in range(body.n):
+                yield sse({**head, "choices": [
+                    {"index": index, "delta": {"role": self.response_role, "content": ""}, "logprobs": None,
+                     "finish_reason": None}
+                ]})
+            finals: dict[int, RequestOutput] = {}
+            generated = 0
+            async for index, output in _merge(streams):
                 completion = output.outputs[0]
                 generated += len(completion.new_token_ids)
                 logprobs = logprobs_of(completion.new_logprobs if params.logprobs is not None else None)
                 yield sse({**head, "choices": [{
-                    "index": 0, "delta": {"content": completion.text_delta}, "logprobs": logprobs,
+                    "index": index, "delta": {"content": completion.text_delta}, "logprobs": logprobs,
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
                 }]})
-                final = output
-            if body.include_usage and final is not None:
-                yield sse({**head, "choices": [], "usage": usage([final], generated)})
+                if output.finished:
+                    finals[index] = output
+            if body.include_usage and finals:
+                yield sse({**head, "choices": [], "usage": usage([finals[i] for i in sorted(finals)], generated,
+                                                                 body.n)})
             yield sse("[DONE]")
 
         return _event_stream(events(), streams)
@@ -167,10 +244,13 @@ class Serving:
     # ----- /generate (SGLang) -----------------------------------------------------------------
 
     async def generate(self, body: GenerateRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        body.check_fields()
+        body.sampling_params.check_fields()
         prompt = body.prompt()
         request_id = body.rid or f"gen-{uuid.uuid4().hex}"
-        streams = await self._add_all(request_id, [prompt], body.sampling_params.to_sampling_params(body.stream), 0,
-                                      body.cache_salt, GENERATE_FIELDS, body.transfer_params())
+        params = body.sampling_params.to_sampling_params(body.stream, self.engine.generation_defaults)
+        streams = await self._add_all(request_id, [prompt], params, 0,
+                                      body.cache_salt, GENERATE_NAMES, body.transfer_params())
         return await self._generate_response(request_id, streams[0], body.stream, raw)
 
     async def _generate_response(self, request_id: str, stream: RequestStream, streamed: bool, raw: Request,
@@ -234,17 +314,26 @@ class Serving:
 
     async def _add_all(self, request_id: str, prompts: list[str | TokenIds], params: SamplingParams,
                        priority: int, cache_salt: str | None, field_names: dict[str, str] | None = None,
-                       kv_transfer_params: TransferParams | None = None) -> list[RequestStream]:
-        """Add every prompt of a request, or none: a refused one aborts those already added.
-        `field_names`: the body's names of SamplingParams' fields, for a refusal's message.
-        `kv_transfer_params`: the router's pairing (disaggregation), one room per prompt."""
-        if kv_transfer_params is not None and len(prompts) > 1:
-            raise InvalidRequestError("a disaggregated request takes one prompt (one bootstrap_room each)", "prompt")
+                       kv_transfer_params: TransferParams | None = None, n: int = 1) -> list[RequestStream]:
+        """Add every prompt of a request, n samples each (stream p * n + i is prompt p's sample
+        i), or none: a refused one aborts those already added. A prompt's samples are separate
+        engine requests; the scheduler has the later ones wait while the first computes the
+        prompt, then read its blocks from the prefix cache (one prefill, not n). With a seed,
+        sample i uses seed + i, as vLLM. `field_names`: the body's names of SamplingParams'
+        fields, for a refusal's message. `kv_transfer_params`: the router's pairing
+        (disaggregation), one room per prompt."""
+        if kv_transfer_params is not None and len(prompts) * n > 1:
+            raise InvalidRequestError("a disaggregated request takes one prompt and n = 1 (one bootstrap_room each)",
+                                      "prompt")
+        if self.log_requests:
+            self._log_request(request_id, prompts, params)
+        samples = [(prompt, params if params.seed is None else dataclasses.replace(params, seed=params.seed + i))
+                   for prompt in prompts for i in range(n)]
         streams: list[RequestStream] = []
         try:
-            for index, prompt in enumerate(prompts):
-                suffix = f"-{index}" if len(prompts) > 1 else ""
-                streams.append(await self.engine.add_request(request_id + suffix, prompt, params, priority,
+            for index, (prompt, sample_params) in enumerate(samples):
+                suffix = f"-{index}" if len(samples) > 1 else ""
+                streams.append(await self.engine.add_request(request_id + suffix, prompt, sample_params, priority,
                                                              cache_salt=cache_salt,
                                                              kv_transfer_params=kv_transfer_params))
         except InvalidRequestError as error:
@@ -260,26 +349,57 @@ class Serving:
             raise
         return streams
 
+    def _log_request(self, request_id: str, prompts: list[str | TokenIds], params: SamplingParams) -> None:
+        """--enable-log-requests: what arrived (prompts cut at --max-log-len characters or ids)."""
+        cut = self.max_log_len
+        shown = [p if cut is None else p[:cut] for p in prompts]
+        logger.info("request %s: prompts %r, params %s", request_id, shown, params)
+
     def _prompt_text(self, prompt: str | TokenIds) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
-    def _completion_logprobs(self, records: list[TokenLogprobs]) -> Event:
-        tokens = [self._token_text(r.token_id) for r in records]
+    def _tokens_as_ids(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
+        given = body.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if given is None else given
+
+    def _token_label(self, token_id: int, as_ids: bool) -> str:
+        """How logprobs name a token: its text, or vLLM's "token_id:N" (texts can be ambiguous)."""
+        return f"token_id:{token_id}" if as_ids else self._token_text(token_id)
+
+    def _completion_logprobs(self, records: list[tuple[int, TokenLogprobs | None]], as_ids: bool) -> Event:
+        """OpenAI's completion logprobs; a token without a record (an echoed prompt's first) gets None."""
+        texts = [self._token_text(token_id) for token_id, _ in records]
         offsets, offset = [], 0
-        for token in tokens:
+        for text in texts:
             offsets.append(offset)
-            offset += len(token)
+            offset += len(text)
         return {
-            "tokens": tokens,
-            "token_logprobs": [r.logprob for r in records],
-            "top_logprobs": [{self._token_text(t): lp for t, lp in r.top} for r in records],
+            "tokens": [self._token_label(token_id, as_ids) for token_id, _ in records],
+            "token_logprobs": [None if r is None else r.logprob for _, r in records],
+            "top_logprobs": [None if r is None else {self._token_label(t, as_ids): lp for t, lp in r.top}
+                             for _, r in records],
             "text_offset": offsets,
         }
 
-    def _chat_logprob(self, record: TokenLogprobs) -> Event:
+    def _vllm_prompt_logprobs(self, token_ids: list[int], records: list[TokenLogprobs | None]) -> list[Event | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else token id -> its
+        logprob, rank among the top ones (None when outside them) and text; the top ones too."""
+        shown = []
+        for token_id, record in zip(token_ids, records):
+            if record is None:
+                shown.append(None)
+                continue
+            entries = {str(t): {"logprob": lp, "rank": rank, "decoded_token": self._token_text(t)}
+                       for rank, (t, lp) in enumerate(record.top, start=1)}
+            entries.setdefault(str(token_id), {"logprob": record.logprob, "rank": None,
+                                               "decoded_token": self._token_text(token_id)})
+            shown.append(entries)
+        return shown
+
+    def _chat_logprob(self, record: TokenLogprobs, as_ids: bool = False) -> Event:
         def entry(token_id: int, logprob: float) -> Event:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            text = self._token_label(token_id, as_ids)
+            return {"token": text, "logprob": logprob, "bytes": list(self._token_text(token_id).encode())}
 
         return {**entry(record.token_id, record.logprob), "top_logprobs": [entry(t, lp) for t, lp in record.top]}
 

@@ -207,14 +207,17 @@ def test_prefix_cache_hits_show_in_usage_and_metrics_and_reset_waits_for_idle(se
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p: Input should be less than or equal to 1", "top_p"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature: Input should be greater than or equal "
      "to 0", "temperature"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs: Input should be less than or equal to 20",
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, r"logprobs 50 is above the server's limit of 20 "
+     r"\(--max-logprobs\)", "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 5000}, 400, "logprobs: Input should be less than or equal to 1024",
      "logprobs"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed: Input should be less than 18446744073709551616",
      "seed"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}, 400, "stop_token_ids must be below",
      "stop_token_ids"),
     ("/v1/completions", {"prompt": [[]]}, 400, "prompt is empty", "prompt"),
-    ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "n must be 1", "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n: Input should be greater than or equal to 1", "n"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix is not currently supported", "suffix"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages is empty", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}], "top_p": 0}, 400, "top_p", "top_p"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role",
@@ -247,14 +250,20 @@ def test_oversized_body_gets_413(server):
 
 @pytest.mark.parametrize("method, path", [
     ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/generate"),
-    ("GET", "/metrics"), ("GET", "/version"), ("POST", "/reset_prefix_cache"), ("GET", "/debug/check"),
+    ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/load"), ("POST", "/reset_prefix_cache"),
+    ("GET", "/debug/check"),
 ])
-def test_every_endpoint_but_health_needs_the_api_key(server, method, path):
+def test_every_endpoint_but_the_polled_ones_needs_the_api_key(server, method, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         response = httpx.request(method, server.base_url + path, headers=headers, json={"prompt": "hi"})
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "authentication_error"
-    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"),
+                                          ("GET", "/version"), ("GET", "/metrics")])
+def test_what_load_balancers_and_prometheus_poll_is_open_as_in_vllm(server, method, path):
+    assert httpx.request(method, server.base_url + path).status_code == 200
 
 
 def test_models_version_and_health(server, model_name):

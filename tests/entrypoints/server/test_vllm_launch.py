@@ -1,0 +1,217 @@
+"""A vLLM user's launch command and client code, unchanged, against a real server: the model
+positional, several served names, VLLM_API_KEY, CORS, /tokenize, /detokenize, /ping, /load,
+the periodic stats line, and a port in use refused before the model loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from chunkserve.config.model import default_model_path
+from tests.server_process import Server, free_port, stop_server, wait_until_up
+
+KEY = "vllm-style-key"
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    port = free_port()
+    log_path = str(tmp_path_factory.mktemp("vllm_launch") / "server.log")
+    command = [sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", default_model_path(),
+               "--served-model-name", "gpt-4o-mini", "smollm", "--port", str(port), "--dtype", "auto",
+               "--max-model-len", "2k", "--gpu-memory-utilization", "0.9", "--enforce-eager", "--trust-remote-code",
+               "--disable-log-requests", "--kv-cache-memory-bytes", "256M",
+               "--allowed-origins", '["https://app.example"]', "--root-path", "/llm"]
+    env = {**os.environ, "CHUNKSERVE_API_KEY": "", "VLLM_API_KEY": KEY, "CHUNKSERVE_LOG_STATS_INTERVAL": "0.5"}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = wait_until_up(Server(process, f"http://127.0.0.1:{port}", log_path))
+    yield server
+    stop_server(server)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def test_the_openai_client_works_under_each_served_name_with_vllms_key_variable(vllm_server):
+    client = openai.OpenAI(base_url=f"{vllm_server.base_url}/v1", api_key=KEY)
+    assert [m.id for m in client.models.list().data] == ["gpt-4o-mini", "smollm"]
+    for name in ("gpt-4o-mini", "smollm"):
+        answer = client.completions.create(model=name, prompt="The capital of France is", max_tokens=4,
+                                           temperature=0)
+        assert answer.model == "gpt-4o-mini" and answer.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="'smollm'"):
+        client.completions.create(model="other", prompt="hi", max_tokens=1)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{vllm_server.base_url}/v1", api_key="wrong").models.list()
+
+
+def test_tokenize_and_detokenize_round_trip(vllm_server):
+    with httpx.Client(base_url=vllm_server.base_url, headers=auth()) as http:
+        tokens = http.post("/tokenize", json={"model": "smollm", "prompt": "Hello world",
+                                              "return_token_strs": True}).json()
+        assert tokens["count"] == len(tokens["tokens"]) == len(tokens["token_strs"]) > 0
+        assert tokens["max_model_len"] == 2000
+        assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"].endswith("Hello world")
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+        assert chat["count"] > tokens["count"]  # the chat template's tokens
+        bad = http.post("/detokenize", json={"tokens": [10**9]})
+        assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
+
+
+def test_ping_and_load_answer(vllm_server):
+    assert httpx.get(f"{vllm_server.base_url}/ping").status_code == 200
+    assert httpx.post(f"{vllm_server.base_url}/ping").status_code == 200
+    load = httpx.get(f"{vllm_server.base_url}/load", headers=auth()).json()
+    assert load == {"server_load": 0}
+
+
+def test_cors_preflight_is_answered_for_allowed_origins_only(vllm_server):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    allowed = httpx.options(f"{vllm_server.base_url}/v1/completions",
+                            headers={"Origin": "https://app.example", **preflight})
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+    other = httpx.options(f"{vllm_server.base_url}/v1/completions", headers={"Origin": "https://evil.example",
+                                                                             **preflight})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
+def test_root_path_is_where_the_docs_say_the_api_is(vllm_server):
+    assert httpx.get(f"{vllm_server.base_url}/openapi.json", headers=auth()).json()["servers"] == [{"url": "/llm"}]
+
+
+def test_the_stats_line_is_logged_while_requests_run(vllm_server):
+    client = openai.OpenAI(base_url=f"{vllm_server.base_url}/v1", api_key=KEY)
+    client.completions.create(model="smollm", prompt="Count to twenty:", max_tokens=48, temperature=0,
+                              extra_body={"ignore_eos": True})
+    log = open(vllm_server.log_path).read()
+    assert "avg generation throughput:" in log and "KV cache usage:" in log and "prefix cache hit rate:" in log
+
+
+def test_a_port_in_use_fails_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "engine core ready" not in done.stderr
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("suffix", "!", "suffix is not currently supported"),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool calling"),
+    ("response_format", {"type": "json_object"}, "structured outputs"),
+    ("priority", 1, "--scheduling-policy priority"),
+])
+def test_fields_that_cannot_be_honoured_are_refused_by_name(vllm_server, field, value, message):
+    response = httpx.post(f"{vllm_server.base_url}/v1/completions", headers=auth(),
+                          json={"prompt": "hi", "max_tokens": 1, field: value})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == field
+
+
+def test_harmless_values_and_fields_vllm_ignores_are_accepted(vllm_server):
+    response = httpx.post(f"{vllm_server.base_url}/v1/chat/completions", headers=auth(), json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tools": [], "tool_choice": "none",
+        "response_format": {"type": "text"}, "user": "u-1", "store": False, "metadata": {"k": "v"}})
+    assert response.status_code == 200
+
+
+def test_an_unknown_field_is_logged_once_by_name(vllm_server):
+    for _ in range(2):
+        response = httpx.post(f"{vllm_server.base_url}/v1/completions", headers=auth(),
+                              json={"prompt": "hi", "max_tokens": 1, "frobnicate_level": 3})
+        assert response.status_code == 200
+    log = open(vllm_server.log_path).read()
+    assert log.count("'frobnicate_level' is not known to chunkserve and was ignored") == 1
+
+
+def test_sglang_info_and_deep_health_endpoints(vllm_server):
+    with httpx.Client(base_url=vllm_server.base_url, headers=auth(), timeout=60) as http:
+        info = http.get("/get_model_info").json()
+        assert info["is_generation"] is True and info["model_path"] == default_model_path()
+        server_info = http.get("/get_server_info").json()
+        assert server_info["max_model_len"] == 2000 and server_info["served_model_name"] == ["gpt-4o-mini", "smollm"]
+        assert "api_key" not in server_info and KEY not in json.dumps(server_info)
+        assert http.get("/health_generate").status_code == 200
+        flush = http.post("/flush_cache")
+        assert flush.status_code == 404 and "--admin-api-key" in flush.json()["error"]["message"]
+
+
+def test_sglang_abort_request_ends_a_running_generation(vllm_server):
+    body = {"text": "Count to one thousand:", "rid": "to-abort", "stream": True,
+            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0}}
+    with httpx.Client(base_url=vllm_server.base_url, headers=auth(), timeout=120) as http:
+        with http.stream("POST", "/generate", json=body) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # it is generating
+            assert http.post("/abort_request", json={"rid": "to-abort"}).status_code == 200
+            events = [json.loads(line[5:]) for line in lines if line.startswith("data:") and "[DONE]" not in line]
+    final = events[-1]["meta_info"]
+    assert final["finish_reason"]["type"] == "abort" and final["completion_tokens"] < 1000
+
+
+def prefix_cache_hits(server) -> float:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("chunkserve:prefix_cache_hits_total"))
+
+
+def test_n_samples_share_the_prompts_blocks_and_seeded_samples_differ(vllm_server):
+    client = openai.OpenAI(base_url=f"{vllm_server.base_url}/v1", api_key=KEY)
+    prompt = "Write a story about a lighthouse keeper and a storm. " * 8  # ~96 tokens: 6 full blocks
+    before = prefix_cache_hits(vllm_server)
+    answer = client.completions.create(model="smollm", prompt=prompt, n=3, seed=11, max_tokens=12, temperature=1.0)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert len({c.text for c in answer.choices}) > 1  # seeds 11, 12, 13
+    num_prompt = answer.usage.prompt_tokens
+    assert prefix_cache_hits(vllm_server) - before >= 2 * ((num_prompt - 1) // 16 * 16)  # samples 1, 2 read its blocks
+    again = client.completions.create(model="smollm", prompt=prompt, n=3, seed=11, max_tokens=12, temperature=1.0)
+    assert [c.text for c in again.choices] == [c.text for c in answer.choices]
+    chat = client.chat.completions.create(model="smollm", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=4, temperature=0, stream=True)
+    indices = {chunk.choices[0].index for chunk in chat if chunk.choices}
+    assert indices == {0, 1}
+
+
+def test_vllm_sampling_extras_through_the_openai_client(vllm_server):
+    client = openai.OpenAI(base_url=f"{vllm_server.base_url}/v1", api_key=KEY)
+    prompt = "The capital of France is"
+
+    def complete(logprobs=None, echo=False, **extra):
+        return client.completions.create(model="smollm", prompt=prompt, max_tokens=6, temperature=0,
+                                         logprobs=logprobs, echo=echo, extra_body=extra)
+
+    plain = complete()
+    greedy_ids = [int(t.split(":")[1]) for t in complete(logprobs=0, return_tokens_as_token_ids=True)
+                  .choices[0].logprobs.tokens]
+    allowed = complete(allowed_token_ids=greedy_ids[:1] + [28, 29], logprobs=0, return_tokens_as_token_ids=True)
+    assert {int(t.split(":")[1]) for t in allowed.choices[0].logprobs.tokens} <= {greedy_ids[0], 28, 29}
+    first_word = plain.choices[0].text.split()[0]
+    banned = complete(bad_words=[first_word])
+    assert first_word not in banned.choices[0].text.split()[:1] and banned.choices[0].text != plain.choices[0].text
+    stop = plain.choices[0].text.strip()[:3]
+    kept = client.completions.create(model="smollm", prompt=prompt, max_tokens=6, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text.endswith(stop)
+    echoed = complete(echo=True, logprobs=1)
+    records = echoed.choices[0].logprobs
+    assert echoed.choices[0].text.startswith(prompt) and records.token_logprobs[0] is None
+    assert len(records.tokens) == echoed.usage.prompt_tokens + echoed.usage.completion_tokens
+    with_prompt = httpx.post(f"{vllm_server.base_url}/v1/completions", headers=auth(), json={
+        "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}).json()["choices"][0]["prompt_logprobs"]
+    assert with_prompt[0] is None and all(len(entry) >= 2 for entry in with_prompt[1:])
+    short = complete(truncate_prompt_tokens=3)
+    assert short.usage.prompt_tokens == 3
