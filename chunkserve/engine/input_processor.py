@@ -92,13 +92,7 @@ class InputProcessor:
 
     def _check_sizes(self, params: SamplingParams) -> None:
         limits = self.limits
-        if len(params.stop) > limits.max_stop_sequences:
-            raise InvalidRequestError(f"stop has {len(params.stop)} strings, over the limit of "
-                                      f"{limits.max_stop_sequences} (--max-stop-sequences)", "stop")
-        longest = max((len(s) for s in params.stop), default=0)
-        if longest > limits.max_stop_sequence_chars:
-            raise InvalidRequestError(f"a stop string has {longest} characters, over the limit of "
-                                      f"{limits.max_stop_sequence_chars} (--max-stop-sequence-chars)", "stop")
+        self._check_strings(params.stop, "stop", "strings", "a stop string")
         if len(params.stop_token_ids) > limits.max_stop_token_ids:
             raise InvalidRequestError(f"stop_token_ids has {len(params.stop_token_ids)} ids, over the limit of "
                                       f"{limits.max_stop_token_ids} (--max-stop-token-ids)", "stop_token_ids")
@@ -111,13 +105,18 @@ class InputProcessor:
             raise InvalidRequestError(f"logit_bias has {len(params.logit_bias)} entries, over the limit of "
                                       f"{limits.max_logit_bias} (--max-logit-bias)", "logit_bias")
         # bad words are checked at every sampling step, like stop strings at every token: the same bounds
-        if len(params.bad_words) > limits.max_stop_sequences:
-            raise InvalidRequestError(f"bad_words has {len(params.bad_words)} words, over the limit of "
-                                      f"{limits.max_stop_sequences} (--max-stop-sequences)", "bad_words")
-        longest = max((len(w) for w in params.bad_words), default=0)
+        self._check_strings(params.bad_words, "bad_words", "words", "a bad word")
+
+    def _check_strings(self, strings: list[str], name: str, noun: str, one: str) -> None:
+        """Count and length of a request's stop strings or bad words against --max-stop-sequences(-chars)."""
+        limits = self.limits
+        if len(strings) > limits.max_stop_sequences:
+            raise InvalidRequestError(f"{name} has {len(strings)} {noun}, over the limit of "
+                                      f"{limits.max_stop_sequences} (--max-stop-sequences)", name)
+        longest = max((len(s) for s in strings), default=0)
         if longest > limits.max_stop_sequence_chars:
-            raise InvalidRequestError(f"a bad word has {longest} characters, over the limit of "
-                                      f"{limits.max_stop_sequence_chars} (--max-stop-sequence-chars)", "bad_words")
+            raise InvalidRequestError(f"{one} has {longest} characters, over the limit of "
+                                      f"{limits.max_stop_sequence_chars} (--max-stop-sequence-chars)", name)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
