@@ -95,3 +95,25 @@ def test_every_panel_has_data_after_requests(scrape, where, expr):
         assert values, f"{where}: no {name} sample with {labels} in /metrics"
         if name.endswith(CUMULATIVE):
             assert max(values) > 0, f"{where}: {name} did not move after the requests"
+
+
+# Every series vLLM's own dashboard reads (examples/online_serving/prometheus_grafana/grafana.json in
+# vllm-project/vllm), with its `vllm:` prefix renamed: a vLLM user's dashboard works after that rename.
+VLLM_DASHBOARD_SERIES = (
+    "e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum", "e2e_request_latency_seconds_count",
+    "prompt_tokens_total", "generation_tokens_total",
+    "time_per_output_token_seconds_bucket", "time_per_output_token_seconds_sum",
+    "time_per_output_token_seconds_count", "num_requests_running", "num_requests_waiting",
+    "time_to_first_token_seconds_bucket", "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count",
+    "gpu_cache_usage_perc", "request_prompt_tokens_bucket", "request_generation_tokens_bucket",
+    "request_success_total", "request_queue_time_seconds_sum", "request_prefill_time_seconds_sum",
+    "request_decode_time_seconds_sum", "request_max_num_generation_tokens_sum",
+)
+
+
+@pytest.mark.parametrize("series", VLLM_DASHBOARD_SERIES)
+def test_vllms_own_dashboard_reads_series_that_exist_after_a_prefix_rename(scrape, series):
+    values = [s.value for s in scrape if s.name == f"chunkserve:{series}" and s.labels.get("model_name") == SERVED_NAME]
+    assert values, f"chunkserve:{series} (vLLM's dashboard reads vllm:{series}) is not in /metrics"
+    if series.endswith(CUMULATIVE):
+        assert max(values) > 0, f"chunkserve:{series} did not move after the requests"
