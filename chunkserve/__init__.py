@@ -19,15 +19,17 @@ _EXPORTS = {
     "InvalidRequestError": "chunkserve.errors",
     "ModelLoadError": "chunkserve.errors",
     "SamplingParams": "chunkserve.sampling_params",
+    "BeamSearchParams": "chunkserve.sampling_params",
+    "Logprob": "chunkserve.engine.outputs",
 }
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from chunkserve.config.engine import EngineArgs
-    from chunkserve.engine.outputs import CompletionOutput, RequestOutput, StepRecord
+    from chunkserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, StepRecord
     from chunkserve.entrypoints.llm import LLM
     from chunkserve.errors import InvalidRequestError, ModelLoadError
-    from chunkserve.sampling_params import SamplingParams
+    from chunkserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 def __getattr__(name: str) -> Any:

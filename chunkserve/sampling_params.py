@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -34,6 +35,10 @@ class SamplingParams:
     `include_stop_str_in_output`.
     """
 
+    # samples of the prompt (LLM.generate answers them as one RequestOutput's outputs; the engine takes one per
+    # request): they share its KV blocks through the prefix cache; with a seed, sample i uses seed + i (vLLM's)
+    n: int = 1
+    best_of: int | None = None  # vLLM V1 dropped it: only None or n is accepted
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -84,6 +89,11 @@ class SamplingParams:
         for name in ("top_k", "min_tokens"):
             if not _is_int(getattr(self, name)):
                 fail(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if not _is_int(self.n) or self.n < 1:
+            fail(f"n must be at least 1, got {self.n!r}")
+        if self.best_of is not None and self.best_of != self.n:
+            fail(f"best_of must be None or equal to n ({self.n}), got {self.best_of!r}: vLLM V1 removed best_of; "
+                 "ask for n samples with logprobs and pick by cumulative_logprob instead")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             fail(f"max_tokens must be at least 1, got {self.max_tokens!r}")
         if self.temperature < 0:
@@ -137,6 +147,12 @@ class SamplingParams:
                 or self.truncate_prompt_tokens == 0):
             fail(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {self.truncate_prompt_tokens!r}")
 
+    def samples(self) -> list[SamplingParams]:
+        """One SamplingParams (n = 1) per sample, sample i seeded with seed + i (vLLM's rule), so
+        seeded samples differ and each is reproducible."""
+        return [dataclasses.replace(self, n=1, best_of=None, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
@@ -153,6 +169,44 @@ class SamplingParams:
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
         )
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's parameters of `LLM.beam_search` (and of the server's `use_beam_search`, with n as the
+    width): keep the `beam_width` most likely sequences at each of up to `max_tokens` steps
+    (None: up to max_model_len). `length_penalty` divides a sequence's cumulative logprob by its
+    length ** length_penalty when beams are ranked; `temperature` is that of each step's sample,
+    which joins the top 2 * beam_width tokens as a candidate (vLLM's rule)."""
+
+    beam_width: int
+    max_tokens: int | None
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        def fail(message: str) -> None:
+            raise InvalidRequestError(message, param=message.split(" ", 1)[0])
+
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            fail(f"beam_width must be at least 1, got {self.beam_width!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            fail(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                fail(f"{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            fail(f"temperature must be non-negative, got {self.temperature}")
+
+    def step_params(self) -> SamplingParams:
+        """Each beam's request at each step: one token with 2 * beam_width logprobs (the
+        candidates, as vLLM and transformers take them). EOS is ignored by the request, so the
+        step's record always comes back; the search decides what EOS ends."""
+        return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width,
+                              ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _is_int(value: object) -> bool:

@@ -186,15 +186,18 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           priority: int = 0, cache_salt: str | None = None,
-                          kv_transfer_params: TransferParams | None = None) -> RequestStream:
+                          kv_transfer_params: TransferParams | None = None,
+                          add_special_tokens: bool = True) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises InvalidRequestError
-        or ServerOverloadedError if it is refused. The prompt is tokenized off the event loop.
+        or ServerOverloadedError if it is refused. The prompt is tokenized off the event loop
+        (`add_special_tokens`: whether a text prompt gets BOS and the like, vLLM's completions field).
         `kv_transfer_params`: a disaggregated instance's pairing (from the router)."""
         loop = asyncio.get_running_loop()
         core_id = f"{request_id}#{next(self._serial)}"
         request, text = await loop.run_in_executor(
             self._text_pool, functools.partial(self.input_processor.process, core_id, prompt, params, priority,
-                                               cache_salt=cache_salt, kv_transfer_params=kv_transfer_params))
+                                               cache_salt=cache_salt, kv_transfer_params=kv_transfer_params,
+                                               add_special_tokens=add_special_tokens))
         return await self._submit(request, request_id, AddRequest(request),
                                   functools.partial(self.output_processor.add_request, request, text, request_id))
 
@@ -222,11 +225,14 @@ class AsyncLLM:
             raise
         return RequestStream(request_id, outputs, abort)
 
-    async def apply_chat_template(self, messages: list[dict[str, str]],
-                                  add_generation_prompt: bool = True) -> list[int]:
-        """A conversation -> prompt token ids (off the event loop, like tokenizing)."""
+    async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                                  **options: Any) -> list[int]:
+        """A conversation -> prompt token ids (off the event loop, like tokenizing); `options`: the
+        input processor's (continue_final_message, chat_template, chat_template_kwargs, documents,
+        add_special_tokens)."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._text_pool, self.input_processor.apply_chat_template, messages, add_generation_prompt)
+            self._text_pool, functools.partial(self.input_processor.apply_chat_template, messages,
+                                               add_generation_prompt, **options))
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while any request is unfinished,

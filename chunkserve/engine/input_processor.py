@@ -30,11 +30,12 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                 priority: int = 0, arrival_time: float | None = None,
-                cache_salt: str | None = None,
-                kv_transfer_params: TransferParams | None = None) -> tuple[EngineCoreRequest, str | None]:
+                cache_salt: str | None = None, kv_transfer_params: TransferParams | None = None,
+                add_special_tokens: bool = True) -> tuple[EngineCoreRequest, str | None]:
         """The request for the core and the prompt's text (None for a token-id prompt).
-        Raises InvalidRequestError naming what is wrong. `cache_salt`: only requests with the
-        same salt share prefix-cache blocks. `kv_transfer_params`: the router's pairing, which a
+        Raises InvalidRequestError naming what is wrong. `add_special_tokens`: whether a text
+        prompt is encoded with BOS and the like (vLLM's completions field). `cache_salt`: only
+        requests with the same salt share prefix-cache blocks. `kv_transfer_params`: the router's pairing, which a
         disaggregated instance needs (a monolithic one ignores it); a prefill instance computes
         the prompt and samples only the first token, checked against the client's max_tokens
         all the same, so that it refuses what its decode instance refuses."""
@@ -46,13 +47,16 @@ class InputProcessor:
                 "requests to its router (chunkserve router --pd-disaggregation), which pairs them with "
                 "bootstrap_room, bootstrap_host and bootstrap_port", "bootstrap_room")
         params = params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequestError(f"n is {params.n}, but an engine request is one sample: LLM.generate and the "
+                                      "server add one request per sample (SamplingParams.samples())", "n")
         self._check_sizes(params)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         if params.prompt_logprobs is not None and self.disaggregation_mode != "null":
             raise InvalidRequestError("prompt_logprobs is not supported by a prefill/decode disaggregated "
                                       "deployment: the prompt is computed on another instance", "prompt_logprobs")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self._tokenize(prompt, add_special_tokens)
         token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         params = self._resolve_params(params, len(token_ids))
         if self.disaggregation_mode == "prefill":
@@ -69,26 +73,57 @@ class InputProcessor:
         )
         return request, text
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """A conversation -> prompt token ids, with the model's own chat template."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            chat_template_kwargs: dict[str, Any] | None = None,
+                            documents: list[dict[str, str]] | None = None,
+                            add_special_tokens: bool = False) -> list[int]:
+        """A conversation -> prompt token ids, as vLLM renders it: the template (`chat_template`, else
+        the tokenizer's or --chat-template's) renders to text, with `chat_template_kwargs` laid over
+        add_generation_prompt, continue_final_message, documents and chat_template; the text is then
+        encoded with `add_special_tokens` (False: the template writes BOS itself; transformers'
+        tokenize=True gives the same ids). continue_final_message leaves the last message open (no
+        end-of-turn) for the model to continue. Raises InvalidRequestError naming the field."""
         if not messages:
             raise InvalidRequestError("messages is empty", "messages")
         if len(messages) >= self.info.max_model_len:  # each message takes at least a token of the template
             raise InvalidRequestError(f"messages has {len(messages)} messages; max_model_len "
                                       f"({self.info.max_model_len} tokens) cannot hold them", "messages")
+        limit = self.limits.max_prompt_chars
         chars = sum(len(m.get("content") or "") for m in messages)
-        if chars > self.limits.max_prompt_chars:
-            raise InvalidRequestError(
-                f"messages have {chars} characters of content, over the limit of {self.limits.max_prompt_chars} "
-                "(--max-prompt-chars)", "messages")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model has no chat template; send a plain prompt instead", "messages")
+        chars += sum(len(v) for document in documents or () for v in document.values())
+        if chars > limit:
+            raise InvalidRequestError(f"messages have {chars} characters of content, over the limit of {limit} "
+                                      "(--max-prompt-chars)", "messages")
+        options: dict[str, Any] = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
+                                   "continue_final_message": continue_final_message, "documents": documents,
+                                   **(chat_template_kwargs or {})}
+        if "tokenize" in options:
+            raise InvalidRequestError("Found unexpected chat template kwargs from request: {'tokenize'}",
+                                      "chat_template_kwargs")
+        if options["continue_final_message"] and options["add_generation_prompt"]:
+            raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                                      "continue_final_message")
+        template, field = options.pop("chat_template"), "chat_template"
+        if template is None:
+            template, field = getattr(self.tokenizer, "chat_template", None), "messages"
+            if not template:
+                raise InvalidRequestError("this model has no chat template; send a plain prompt or a chat_template "
+                                          "instead", "messages")
+        elif not isinstance(template, str):
+            raise InvalidRequestError("chat_template must be a string (a Jinja template)", "chat_template")
+        elif len(template) > limit:
+            raise InvalidRequestError(f"chat_template has {len(template)} characters, over the limit of {limit} "
+                                      "(--max-prompt-chars)", "chat_template")
         try:
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                         tokenize=True)
+            text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, **options)
         except Exception as error:  # the template's own checks (e.g. roles must alternate) raise anything
-            raise InvalidRequestError(f"the chat template refused the messages: {error}", "messages") from None
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+            what = "the chat template refused the messages" if field == "messages" else "chat_template failed"
+            raise InvalidRequestError(f"{what}: {error}", field) from None
+        if len(text) > limit:
+            raise InvalidRequestError(f"the chat template's text has {len(text)} characters, over the limit of "
+                                      f"{limit} (--max-prompt-chars)", field)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_sizes(self, params: SamplingParams) -> None:
         limits = self.limits
@@ -118,14 +153,14 @@ class InputProcessor:
             raise InvalidRequestError(f"{one} has {longest} characters, over the limit of "
                                       f"{limits.max_stop_sequence_chars} (--max-stop-sequence-chars)", name)
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", "prompt")
             if len(prompt) > self.limits.max_prompt_chars:
                 raise InvalidRequestError(f"prompt has {len(prompt)} characters, over the limit of "
                                           f"{self.limits.max_prompt_chars} (--max-prompt-chars)", "prompt")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
         if not prompt:

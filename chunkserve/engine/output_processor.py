@@ -86,8 +86,8 @@ class OutputProcessor:
             state.detokenizer.restore(output_token_ids, exported["detokenizer"])
             state.metrics = RequestMetrics(**exported["metrics"])
             if state.logprobs is not None and exported["logprobs"] is not None:
-                state.logprobs = [TokenLogprobs(token, logprob, [tuple(t) for t in top])
-                                  for token, logprob, top in exported["logprobs"]]
+                state.logprobs = [TokenLogprobs(token, logprob, [tuple(t) for t in top], rank)
+                                  for token, logprob, top, rank in exported["logprobs"]]
         except (KeyError, TypeError, ValueError) as error:
             del self._states[request.request_id]
             raise InvalidRequestError(f"the snapshot's frontend state cannot be restored: {error!r}") from None
@@ -97,7 +97,7 @@ class OutputProcessor:
         text, detokenizer and stop-string state, metrics and logprobs so far."""
         state = self._states[request_id]
         logprobs = None if state.logprobs is None else [
-            [r.token_id, r.logprob, [list(t) for t in r.top]] for r in state.logprobs]
+            [r.token_id, r.logprob, [list(t) for t in r.top], r.rank] for r in state.logprobs]
         return {"request_id": state.request_id, "prompt": state.prompt,
                 "detokenizer": state.detokenizer.state(), "metrics": dataclasses.asdict(state.metrics),
                 "logprobs": logprobs}

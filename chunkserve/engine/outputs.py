@@ -3,9 +3,34 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chunkserve.core.sched.output import ForwardMode, TokenLogprobs
+
+
+@dataclass
+class Logprob:
+    """vLLM's per-token entry of a logprobs dict: the log-probability, the rank in the whole
+    vocabulary (1 = most likely) and the token's text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+LogprobDict = dict[int, Logprob]  # token id -> Logprob: the chosen token and the top k (vLLM's shape)
+
+
+def logprob_dict(record: TokenLogprobs, token_text: Callable[[int], str]) -> LogprobDict:
+    """The engine's record of one position -> vLLM's dict: the chosen (sampled or prompt) token
+    first, with its rank in the vocabulary, then the top k with ranks 1..k (a chosen token among
+    them keeps its place, as in vLLM). The one conversion the offline API, beam search and the
+    server's prompt_logprobs share."""
+    entries = {record.token_id: Logprob(record.logprob, record.rank, token_text(record.token_id))}
+    for rank, (token_id, logprob) in enumerate(record.top, start=1):
+        entries[token_id] = Logprob(logprob, rank, token_text(token_id))
+    return entries
 
 
 @dataclass
@@ -17,8 +42,11 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     text_delta: str = ""  # text added by this step (what a stream sends)
     new_token_ids: list[int] = field(default_factory=list)  # tokens added by this step
-    logprobs: list[TokenLogprobs] | None = None  # one per output token, when requested
+    # one per output token, when requested: the engine's records; LLM.generate hands vLLM's dicts instead
+    logprobs: list[TokenLogprobs] | list[LogprobDict] | None = None
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # those of new_token_ids
+    # the output tokens' summed logprobs, when logprobs were requested (LLM.generate's and beam search's outputs)
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -41,9 +69,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
-    # prompt_logprobs: one per prompt token, None for the first (vLLM's shape, with our record for each dict);
-    # every output has them once they came, a DELTA stream's first output only
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # prompt_logprobs: one per prompt token, None for the first (vLLM's shape, with our record for each dict;
+    # LLM.generate hands the dicts); every output has them once they came, a DELTA stream's first output only
+    prompt_logprobs: list[TokenLogprobs | None] | list[LogprobDict | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,10 @@ class ServerArgs:
         False, "logprobs name tokens 'token_id:N' rather than by their text, which can be ambiguous (a request's "
                "return_tokens_as_token_ids overrides it)"
     )
+    trust_request_chat_template: bool = arg(
+        False, "let chat and /tokenize requests bring their own chat_template (a Jinja template, which the server "
+               "then renders: code from the client); without it such a request gets 400, as in vLLM"
+    )
     trace_steps: str | None = arg(None, "append one JSON line per engine step to this file")
     headless: bool = arg(
         False, "run only this node's worker ranks (--node-rank 1 or more of --nnodes), no server: they connect to "

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from chunkserve.config import EngineArgs
+from chunkserve.engine import beam_search as beams
+from chunkserve.engine.beam_search import BeamSearchOutput
 from chunkserve.engine.llm_engine import LLMEngine
-from chunkserve.engine.outputs import RequestOutput, StepRecord
+from chunkserve.engine.outputs import RequestOutput, StepRecord, logprob_dict
 from chunkserve.errors import InvalidRequestError
-from chunkserve.sampling_params import RequestOutputKind, SamplingParams
+from chunkserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
 Message = dict[str, str]
@@ -48,18 +51,59 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """One finished output per prompt, in the prompts' order. A prompt is a string, a list of
-        token ids, or vLLM's dict: {"prompt": text} or {"prompt_token_ids": ids}."""
+        """One finished output per prompt, in the prompts' order, shaped like vLLM's: the
+        prompt's n samples as `outputs` (index 0..n-1; they are separate engine requests that
+        read the prompt's KV blocks from the prefix cache once the first computed them), logprobs
+        and prompt_logprobs as dicts token id -> Logprob, cumulative_logprob with logprobs. A
+        prompt is a string, a list of token ids, or vLLM's dict: {"prompt": text} or
+        {"prompt_token_ids": ids}."""
         prompt_list = [_unwrap(p) for p in _as_prompt_list(prompts)]
         params = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompt_list),
                              "sampling_params")
-        # only each request's last output is kept: the ones before it need not carry its history
-        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompt_list), "priority")
-        request_ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
+        samples = [p.samples() for p in params]
+        finals = iter(self._generate([prompt for prompt, s in zip(prompt_list, samples) for _ in s],
+                                     [sample for s in samples for sample in s],
+                                     [prio for prio, s in zip(priorities, samples) for _ in s], use_tqdm))
+        token_text = self._token_texts()
+        return [_vllm_output([next(finals) for _ in s], token_text) for s in samples]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (chunkserve.engine.beam_search): each prompt's best
+        params.beam_width sequences, best first. As in vLLM, a sequence's `tokens` and `text`
+        include the prompt's, and its `logprobs` are each step's dict (the step's sampled token
+        and top 2 * beam_width)."""
+        prompt_list = [_unwrap(p) for p in _as_prompt_list(prompts)]
+        engine, step = self.engine, params.step_params()
+        search = beams.search(prompt_list, params, engine.input_processor.eos_token_id, engine.max_model_len,
+                              engine.input_processor.limits.max_logprobs)
+        with tqdm(desc="Beam search", unit="step", disable=not use_tqdm) as bar:
+            def run(batch: list[str | list[int]]) -> list[RequestOutput]:
+                bar.update(1)
+                return self._generate(batch, [step] * len(batch), [0] * len(batch), use_tqdm=False)
+
+            found = beams.run_sync(search, run)
+        token_text = self._token_texts()
+        for beam in itertools.chain.from_iterable(found):
+            beam.text = self.get_tokenizer().decode(beam.tokens)
+            beam.logprobs = [logprob_dict(record, token_text) for record in beam.records]
+        return [BeamSearchOutput(beams) for beams in found]
+
+    def _token_texts(self) -> Callable[[int], str]:
+        """Token id -> its text (Logprob.decoded_token), each decoded once per call."""
+        tokenizer = self.get_tokenizer()
+        return functools.lru_cache(maxsize=None)(lambda token_id: tokenizer.decode([token_id]))
+
+    def _generate(self, prompts: list[str | list[int]], params: list[SamplingParams], priorities: list[int],
+                  use_tqdm: bool) -> list[RequestOutput]:
+        """Each request's finished output as the engine makes it (its logprobs as records)."""
+        request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
-            for request_id, prompt, p, prio in zip(request_ids, prompt_list, params, priorities):
-                self.engine.add_request(request_id, prompt, p, priority=prio)
+            for request_id, prompt, p, prio in zip(request_ids, prompts, params, priorities):
+                # only each request's last output is kept: the ones before it need not carry its history
+                self.engine.add_request(request_id, prompt, dataclasses.replace(
+                    p, output_kind=RequestOutputKind.FINAL_ONLY), priority=prio)
         except Exception:
             self.engine.abort_request(request_ids)
             raise
@@ -67,14 +111,28 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate. vLLM's
+        names; keyword-only after use_tqdm because vLLM's order has lora_request and others there,
+        which a positional call must not silently fill. See `apply_chat_template`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template=chat_template,
+                                            continue_final_message=continue_final_message,
+                                            chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        return self.engine.input_processor.apply_chat_template(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True, *,
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """A conversation's prompt token ids, as `chat` makes them: `chat_template` in place of the
+        model's, `chat_template_kwargs` passed to the template (over the other arguments, as in
+        vLLM), `continue_final_message` leaving the last message open for the model to continue
+        (with add_generation_prompt=False). Raises InvalidRequestError naming a bad argument."""
+        return self.engine.input_processor.apply_chat_template(
+            messages, add_generation_prompt, continue_final_message=continue_final_message,
+            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -90,6 +148,24 @@ class LLM:
                 self.engine.abort_request([i for i in request_ids if i not in finished])
                 raise
         return [finished[request_id] for request_id in request_ids]
+
+
+def _vllm_output(samples: list[RequestOutput], token_text: Callable[[int], str]) -> RequestOutput:
+    """A prompt's samples (the engine's finished outputs) -> vLLM's RequestOutput: one, with
+    every sample as an output, records as Logprob dicts. The prompt's own fields (cached tokens,
+    prompt_logprobs, metrics) are its first sample's, the one that computed the prompt."""
+    first = samples[0]
+    completions = []
+    for index, sample in enumerate(samples):
+        completion = sample.outputs[0]
+        records = completion.logprobs
+        completions.append(dataclasses.replace(
+            completion, index=index,
+            logprobs=None if records is None else [logprob_dict(r, token_text) for r in records],
+            cumulative_logprob=None if records is None else sum(r.logprob for r in records)))
+    prompt_logprobs = None if first.prompt_logprobs is None else [
+        None if r is None else logprob_dict(r, token_text) for r in first.prompt_logprobs]
+    return dataclasses.replace(first, outputs=completions, prompt_logprobs=prompt_logprobs)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

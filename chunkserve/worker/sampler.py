@@ -229,11 +229,14 @@ def _draw(cdf: torch.Tensor, generators: list[torch.Generator | None],
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
-    """logprobs: [R, vocab] log-softmax rows -> each sampled token's logprob and row's top-k."""
+    """logprobs: [R, vocab] log-softmax rows -> each sampled token's logprob and rank, and the
+    row's top-k. The rank (vLLM reports it) costs one comparison pass over the rows, as topk does."""
     top_values, top_ids = logprobs.topk(max(num_top), dim=-1) if max(num_top) else (None, None)
-    sampled = logprobs.gather(1, torch.tensor(token_ids).unsqueeze(1)).squeeze(1).tolist()
+    sampled = logprobs.gather(1, torch.tensor(token_ids).unsqueeze(1))
+    ranks = (logprobs >= sampled).sum(dim=1).tolist()
+    sampled = sampled.squeeze(1).tolist()
     records = []
     for row, (token_id, k) in enumerate(zip(token_ids, num_top)):
         top = list(zip(top_ids[row, :k].tolist(), top_values[row, :k].tolist())) if k else []
-        records.append(TokenLogprobs(token_id, sampled[row], top))
+        records.append(TokenLogprobs(token_id, sampled[row], top, ranks[row]))
     return records

@@ -46,7 +46,7 @@ class FirstToken:
 
     def to_wire(self) -> dict[str, Any]:
         logprobs = None if self.logprobs is None else [self.logprobs.token_id, self.logprobs.logprob,
-                                                       [list(t) for t in self.logprobs.top]]
+                                                       [list(t) for t in self.logprobs.top], self.logprobs.rank]
         return {"token_id": self.token_id, "logprobs": logprobs, "num_cached_tokens": self.num_cached_tokens,
                 "generator_state": None if self.generator_state is None else self.generator_state.hex()}
 
@@ -54,7 +54,9 @@ class FirstToken:
     def from_wire(cls, raw: dict[str, Any]) -> FirstToken:
         logprobs = raw["logprobs"]
         if logprobs is not None:
-            logprobs = TokenLogprobs(int(logprobs[0]), float(logprobs[1]), [(int(t), float(p)) for t, p in logprobs[2]])
+            rank = logprobs[3]
+            logprobs = TokenLogprobs(int(logprobs[0]), float(logprobs[1]), [(int(t), float(p)) for t, p in logprobs[2]],
+                                     None if rank is None else int(rank))
         state = raw["generator_state"]
         return cls(int(raw["token_id"]), logprobs, None if state is None else bytes.fromhex(state),
                    int(raw["num_cached_tokens"]))

@@ -108,6 +108,8 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
+    # the token's rank in the whole vocabulary, 1 = most likely (vLLM's: tokens at least as likely count)
+    rank: int | None = None
 
 
 @dataclass

@@ -79,7 +79,8 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_names: list[str], 
     """`model_names`: what requests may name; the first is what responses name."""
     model_name = model_names[0]
     serving = Serving(engine, model_names, args.max_prompts_per_request, args.response_role,
-                      args.enable_log_requests, args.max_log_len, args.return_tokens_as_token_ids)
+                      args.enable_log_requests, args.max_log_len, args.return_tokens_as_token_ids,
+                      args.trust_request_chat_template, metrics=metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -12,6 +12,9 @@ the outputs and the scheduler's stats.
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -222,6 +225,9 @@ class EngineMetrics:
             "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in their run (0 = first)",
             ("position",))
         self._totals_seen: dict[Counter, int] = {}
+        # request id -> its prompt's samples (n > 1), shared by the server's loop and the engine's output thread
+        self._sample_groups: dict[str, _SampleGroup] = {}
+        self._groups_lock = threading.Lock()
 
     def observe(self, record: StepRecord | None, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
         if record is not None:
@@ -327,17 +333,40 @@ class EngineMetrics:
         if output.finished:
             self._observe_finished(output)
 
+    def expect_samples(self, request_ids: list[str]) -> None:
+        """The engine requests that are the n samples of one prompt: `request_params_n` and
+        `request_max_num_generation_tokens` observe them once, when the last has finished (as
+        vLLM observes a parent request). Call before adding them to the engine."""
+        group = _SampleGroup(len(request_ids), len(request_ids))
+        with self._groups_lock:
+            self._sample_groups.update(dict.fromkeys(request_ids, group))
+
+    def forget_samples(self, request_ids: list[str]) -> None:
+        """Samples that will not all be added (one was refused): each is then its own request."""
+        with self._groups_lock:
+            for request_id in request_ids:
+                self._sample_groups.pop(request_id, None)
+
     def _observe_finished(self, output: RequestOutput) -> None:
-        """vLLM's per-request histograms, observed once a request finished. A request here is
-        one sample: its n is 1 and its longest sample is itself."""
+        """vLLM's per-request histograms, observed once a request (one sample) finished; n and
+        the longest sample's length once its prompt's last sample finished."""
         metrics = output.metrics
         times = metrics.token_times
         self.request_success.labels(**self._labels, finished_reason=output.outputs[0].finish_reason).inc()
         self.e2e_request_latency.observe(metrics.finished_time - metrics.arrival_time)
         self.request_prompt_tokens.observe(len(output.prompt_token_ids))
         self.request_generation_tokens.observe(len(times))
-        self.request_max_num_generation_tokens.observe(len(times))
-        self.request_params_n.observe(1)
+        with self._groups_lock:
+            group = self._sample_groups.pop(output.request_id, None)
+            if group is not None:
+                group.remaining -= 1
+                group.longest = max(group.longest, len(times))
+        if group is None:
+            self.request_max_num_generation_tokens.observe(len(times))
+            self.request_params_n.observe(1)
+        elif group.remaining == 0:
+            self.request_max_num_generation_tokens.observe(group.longest)
+            self.request_params_n.observe(group.n)
         if metrics.max_tokens is not None:
             self.request_params_max_tokens.observe(metrics.max_tokens)
         scheduled = metrics.first_scheduled_time
@@ -351,3 +380,12 @@ class EngineMetrics:
         self.request_inference_time.observe(times[-1] - scheduled)
         if len(times) > 1:
             self.request_time_per_output_token.observe((times[-1] - times[0]) / (len(times) - 1))
+
+
+@dataclass
+class _SampleGroup:
+    """The samples of one prompt still running, and the longest output among those finished."""
+
+    n: int
+    remaining: int
+    longest: int = 0

@@ -21,7 +21,10 @@ from chunkserve.core.disagg.protocol import TransferParams
 from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.sched.output import TokenLogprobs
 from chunkserve.engine.async_llm import AsyncLLM, RequestStream
-from chunkserve.engine.outputs import RequestOutput
+from chunkserve.engine.beam_search import beam_search_async
+from chunkserve.engine.beam_search import completion as beam_completion
+from chunkserve.engine.outputs import RequestMetrics, RequestOutput, logprob_dict
+from chunkserve.entrypoints.server.metrics import EngineMetrics
 from chunkserve.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,6 +32,7 @@ from chunkserve.entrypoints.server.protocol import (
     GENERATE_NAMES,
     ExportBody,
     GenerateRequest,
+    GenerateSamplingParams,
     TokenIds,
     TokenizeRequest,
     error_body,
@@ -61,9 +65,13 @@ def usage(outputs: list[RequestOutput], completion_tokens: int | None = None, n:
 class Serving:
     def __init__(self, engine: AsyncLLM, model_names: list[str], max_prompts_per_request: int,
                  response_role: str = "assistant", log_requests: bool = False, max_log_len: int | None = None,
-                 return_tokens_as_token_ids: bool = False) -> None:
-        """`model_names`: what a request may name (--served-model-name); responses name the first."""
+                 return_tokens_as_token_ids: bool = False, trust_request_chat_template: bool = False,
+                 metrics: EngineMetrics | None = None) -> None:
+        """`model_names`: what a request may name (--served-model-name); responses name the first.
+        `trust_request_chat_template`: whether a request may bring its own chat template.
+        `metrics`: told which engine requests are the samples of one prompt."""
         self.engine = engine
+        self.metrics = metrics
         self.model_names = model_names
         self.model_name = model_names[0]
         self.max_prompts_per_request = max_prompts_per_request
@@ -71,6 +79,7 @@ class Serving:
         self.log_requests = log_requests
         self.max_log_len = max_log_len
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # the server's default (a request may say)
+        self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = engine.tokenizer
         self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: self.tokenizer.decode([t]))
 
@@ -98,15 +107,24 @@ class Serving:
         if body.messages is not None:
             if body.prompt is not None:
                 raise InvalidRequestError("give prompt or messages, not both", "prompt")
-            tokens = await self.engine.apply_chat_template([m.as_template_message() for m in body.messages],
-                                                           body.add_generation_prompt)
+            self._check_template_trust(body)
+            tokens = await self.engine.apply_chat_template(
+                [m.as_template_message() for m in body.messages],
+                **body.template_options(bool(body.add_special_tokens)))
         elif body.prompt is not None:
-            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         else:
             raise InvalidRequestError("give prompt (text) or messages (a conversation)", "prompt")
         strs = self.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": self.engine.info.max_model_len, "tokens": list(tokens),
                 "token_strs": strs}
+
+    def _check_template_trust(self, body: ChatCompletionRequest | TokenizeRequest) -> None:
+        """A request's own chat template runs only on a server that trusts it (vLLM's flag and
+        message): a Jinja template is code, and rendering it can take unbounded time."""
+        if body.has_request_template and not self.trust_request_chat_template:
+            raise InvalidRequestError("Chat template is passed with request, but --trust-request-chat-template is "
+                                      "not set. Refused request with untrusted chat template.", "chat_template")
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
@@ -138,8 +156,9 @@ class Serving:
             params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, params.prompt_logprobs or 0))
         as_ids = self._tokens_as_ids(body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._add_all(request_id, prompts, params, body.priority, body.cache_salt,
-                                      kv_transfer_params=body.transfer_params(), n=body.n)
+        streams = [] if body.use_beam_search else await self._add_all(
+            request_id, prompts, params, body.priority, body.cache_salt, kv_transfer_params=body.transfer_params(),
+            n=body.n, add_special_tokens=body.add_special_tokens)
         head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         echoes = [self._prompt_text(p) if body.echo else "" for p in prompts for _ in range(body.n)]
 
@@ -155,11 +174,13 @@ class Serving:
                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
             }
             if body.prompt_logprobs is not None and prompt_records is not None:
-                event["prompt_logprobs"] = self._vllm_prompt_logprobs(output.prompt_token_ids, prompt_records)
+                event["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_records)
             return event
 
         if not body.stream:
-            outputs = await _unless_disconnected(raw, _collect(streams))
+            outputs = await _unless_disconnected(raw, self._beam_search(
+                request_id, prompts, body, params, add_special_tokens=body.add_special_tokens)
+                if body.use_beam_search else _collect(streams))
             choices = [choice(i, o, echoes[i] + o.outputs[0].text, o.outputs[0].logprobs) for i, o in enumerate(outputs)]
             return JSONResponse({**head, "choices": choices, "usage": usage(outputs, n=body.n)})
 
@@ -186,13 +207,15 @@ class Serving:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         self.check_request(body)
+        self._check_template_trust(body)
         messages = [m.as_template_message() for m in body.messages]
         params = body.chat_sampling_params(self.engine.generation_defaults)
-        prompt = await self.engine.apply_chat_template(messages, body.add_generation_prompt)
+        prompt = await self.engine.apply_chat_template(messages, **body.template_options(body.add_special_tokens))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        streams = await self._add_all(request_id, [prompt], params, body.priority, body.cache_salt,
-                                      {"max_tokens": given, "logprobs": "top_logprobs"}, body.transfer_params(), body.n)
+        streams = [] if body.use_beam_search else await self._add_all(
+            request_id, [prompt], params, body.priority, body.cache_salt,
+            {"max_tokens": given, "logprobs": "top_logprobs"}, body.transfer_params(), body.n)
         created = int(time.time())
         as_ids = self._tokens_as_ids(body)
 
@@ -200,7 +223,8 @@ class Serving:
             return None if records is None else {"content": [self._chat_logprob(r, as_ids) for r in records]}
 
         if not body.stream:
-            outputs = await _unless_disconnected(raw, _collect(streams))
+            outputs = await _unless_disconnected(raw, self._beam_search(request_id, [prompt], body, params)
+                                                 if body.use_beam_search else _collect(streams))
             return JSONResponse({
                 "id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": [{
@@ -209,8 +233,7 @@ class Serving:
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
                 } for index, completion in enumerate(o.outputs[0] for o in outputs)],
                 "usage": usage(outputs, n=body.n),
-                **({"prompt_logprobs": self._vllm_prompt_logprobs(outputs[0].prompt_token_ids,
-                                                                  outputs[0].prompt_logprobs)}
+                **({"prompt_logprobs": self._vllm_prompt_logprobs(outputs[0].prompt_logprobs)}
                    if body.prompt_logprobs is not None and outputs[0].prompt_logprobs is not None else {}),
             })
 
@@ -244,49 +267,134 @@ class Serving:
     # ----- /generate (SGLang) -----------------------------------------------------------------
 
     async def generate(self, body: GenerateRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        """One prompt is answered with one result object; a batch (text or input_ids as a list)
+        or n > 1 with a list of results, n per prompt, prompt by prompt (SGLang's order)."""
         body.check_fields()
-        body.sampling_params.check_fields()
-        prompt = body.prompt()
-        request_id = body.rid or f"gen-{uuid.uuid4().hex}"
-        params = body.sampling_params.to_sampling_params(body.stream, self.engine.generation_defaults)
-        streams = await self._add_all(request_id, [prompt], params, 0,
-                                      body.cache_salt, GENERATE_NAMES, body.transfer_params())
-        return await self._generate_response(request_id, streams[0], body.stream, raw)
+        prompts = body.prompts()
+        count = len(prompts)
+        sampling = body.per_prompt("sampling_params", count, GenerateSamplingParams())
+        for given in sampling:
+            given.check_fields()
+        n = sampling[0].n
+        if any(given.n != n for given in sampling):
+            raise InvalidRequestError("every prompt's sampling_params must ask for the same n (as in SGLang)",
+                                      "sampling_params")
+        field = "text" if body.text is not None else "input_ids"
+        if count * n > self.max_prompts_per_request:
+            raise InvalidRequestError(f"{field} has {count} prompts x n = {n} samples, over the limit of "
+                                      f"{self.max_prompts_per_request} (--max-prompts-per-request)", field)
+        transfer = body.transfer_params()
+        if transfer is not None and count * n > 1:
+            raise InvalidRequestError("a disaggregated request takes one prompt and n = 1 (one bootstrap_room each)",
+                                      field)
+        asked = _logprobs_asked(body, count)
+        await self._check_logprob_start(prompts, asked)
+        request_ids = body.request_ids(count, f"gen-{uuid.uuid4().hex}")
+        streams: list[RequestStream] = []
+        try:
+            for prompt, given, request_id, logprobs in zip(prompts, sampling, request_ids, asked):
+                top = None if logprobs is None else logprobs.top
+                params = given.to_sampling_params(body.stream, self.engine.generation_defaults, top,
+                                                  None if logprobs is None or logprobs.start < 0 else top)
+                streams += await self._add_all(request_id, [prompt], params, 0, body.cache_salt,
+                                               kv_transfer_params=transfer, n=n)
+        except BaseException as error:
+            for stream in streams:
+                stream.abort()
+            name = GENERATE_NAMES.get(error.param) if isinstance(error, InvalidRequestError) else None
+            if name is None:
+                raise
+            # the first mention only: the message starts with the field (a flag like --max-logprobs may follow)
+            raise InvalidRequestError(str(error).replace(error.param, name, 1), name) from None
+        if not body.is_batch and n == 1:
+            return await self._generate_response(streams[0].request_id, streams[0], body.stream, raw,
+                                                 logprobs=asked[0])
+        samples = [_GenerateSample(stream.request_id, asked[index // n]) for index, stream in enumerate(streams)]
+        return await self._generate_answer(streams, samples, body.stream, raw, batch=True)
+
+    async def _check_logprob_start(self, prompts: list[str | TokenIds], asked: list[GenerateLogprobs | None]) -> None:
+        """SGLang's 400 for a logprob_start_len at or past the prompt's end, before any work (a
+        text prompt is tokenized for it here, as the engine will)."""
+        for prompt, logprobs in zip(prompts, asked):
+            if logprobs is None or logprobs.start <= 0:
+                continue
+            length = len(prompt) if not isinstance(prompt, str) else len(
+                await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, prompt))
+            if logprobs.start >= length:
+                raise InvalidRequestError(f"logprob_start_len ({logprobs.start}) must be below the number of prompt "
+                                          f"tokens ({length})", "logprob_start_len")
 
     async def _generate_response(self, request_id: str, stream: RequestStream, streamed: bool, raw: Request,
-                                 text_before: str = "", token_ids_before: tuple[int, ...] = ()
-                                 ) -> JSONResponse | StreamingResponse:
-        """/generate's answer (SGLang's shape). `text_before`/`token_ids_before`: the output an
-        imported request had when it was exported, which a stream's events include."""
+                                 text_before: str = "", token_ids_before: tuple[int, ...] = (),
+                                 logprobs: GenerateLogprobs | None = None) -> JSONResponse | StreamingResponse:
+        """/generate's answer to one prompt (SGLang's shape: one object, or a stream of them).
+        `text_before`/`token_ids_before`: the output an imported request had when it was
+        exported, which a stream's events include. `logprobs`: what meta_info reports of them."""
+        sample = _GenerateSample(request_id, logprobs, text_before, list(token_ids_before))
+        return await self._generate_answer([stream], [sample], streamed, raw, batch=False)
 
-        def result(output: RequestOutput, text: str, token_ids: list[int]) -> Event:
-            completion = output.outputs[0]
-            metrics = output.metrics
-            end = metrics.finished_time if output.finished else time.time()
-            return {
-                "text": text, "output_ids": token_ids,
-                "meta_info": {
-                    "id": request_id, "prompt_tokens": len(output.prompt_token_ids),
-                    "completion_tokens": len(token_ids),
-                    "cached_tokens": output.num_cached_tokens,
-                    "finish_reason": _sglang_finish_reason(completion, len(token_ids)) if output.finished else None,
-                    "e2e_latency": end - metrics.arrival_time,
-                },
-            }
-
+    async def _generate_answer(self, streams: list[RequestStream], samples: list[_GenerateSample], streamed: bool,
+                               raw: Request, batch: bool) -> JSONResponse | StreamingResponse:
+        """Stream i's result is samples[i]'s: a batch is answered with the list of them, one
+        prompt with the object. SGLang streams the whole text so far in every event; a batch's
+        events each carry one result and its place in the list (`index`)."""
         if not streamed:
-            (output,) = await _unless_disconnected(raw, _collect([stream]))
-            return JSONResponse(result(output, output.outputs[0].text, list(output.outputs[0].token_ids)))
+            outputs = await _unless_disconnected(raw, _collect(streams))
+            results = [self._generate_result(sample.final(output), output) for sample, output in zip(samples, outputs)]
+            return JSONResponse(results if batch else results[0])
 
-        async def events() -> AsyncIterator[str]:  # SGLang streams the whole text so far in every event
-            text, token_ids = text_before, list(token_ids_before)
-            async for _, output in _merge([stream]):
-                text += output.outputs[0].text_delta
-                token_ids += output.outputs[0].new_token_ids
-                yield sse(result(output, text, list(token_ids)))
+        async def events() -> AsyncIterator[str]:
+            async for index, output in _merge(streams):
+                result = self._generate_result(samples[index].add(output), output)
+                yield sse({**result, "index": index} if batch else result)
             yield sse("[DONE]")
 
-        return _event_stream(events(), [stream])
+        return _event_stream(events(), streams)
+
+    def _generate_result(self, sample: _GenerateSample, output: RequestOutput) -> Event:
+        """One result object: the text and output ids so far, and meta_info (SGLang's keys)."""
+        metrics = output.metrics
+        end = metrics.finished_time if output.finished else time.time()
+        count = len(sample.token_ids)
+        meta = {
+            "id": sample.request_id, "prompt_tokens": len(output.prompt_token_ids), "completion_tokens": count,
+            "cached_tokens": output.num_cached_tokens,
+            "finish_reason": _sglang_finish_reason(output.outputs[0], count) if output.finished else None,
+            "e2e_latency": end - metrics.arrival_time,
+        }
+        if sample.logprobs is not None:
+            meta.update(self._sglang_logprobs(sample, output.prompt_token_ids))
+        return {"text": sample.text, "output_ids": list(sample.token_ids), "meta_info": meta}
+
+    def _sglang_logprobs(self, sample: _GenerateSample, prompt_token_ids: list[int]) -> Event:
+        """meta_info's logprobs in SGLang's shape: per position [logprob, token id, text or None]
+        (the text with return_text_in_logprobs), and with top_logprobs_num the top ones. The
+        prompt's run from logprob_start_len (-1: its last token only), the first with logprob
+        None, as SGLang pads it. Built once per token, however many events show them."""
+        asked = sample.logprobs
+        as_text = self._token_text if asked.with_text else lambda _: None
+
+        def tops(record: TokenLogprobs) -> list[list[Any]]:
+            return [[logprob, token_id, as_text(token_id)] for token_id, logprob in record.top]
+
+        if sample.shown_input is None:
+            start = asked.start if asked.start >= 0 else len(prompt_token_ids) - 1
+            records = [] if sample.prompt_records is None else sample.prompt_records[start + 1:]
+            shown = {"input_token_logprobs": [[None, prompt_token_ids[start], as_text(prompt_token_ids[start])]] + [
+                [r.logprob, r.token_id, as_text(r.token_id)] for r in records]}
+            if asked.top > 0:
+                shown["input_top_logprobs"] = [None] + [tops(r) for r in records]
+            if asked.start < 0 or sample.prompt_records is not None:  # else they may still come
+                sample.shown_input = shown
+        else:
+            shown = sample.shown_input
+        new = sample.records[len(sample.shown_output):]
+        sample.shown_output += [[r.logprob, r.token_id, as_text(r.token_id)] for r in new]
+        meta = {**shown, "output_token_logprobs": sample.shown_output}
+        if asked.top > 0:
+            sample.shown_top += [tops(r) for r in new]
+            meta["output_top_logprobs"] = sample.shown_top
+        return meta
 
     # ----- snapshots: a request moved between servers ---------------------------------------
 
@@ -314,40 +422,64 @@ class Serving:
 
     async def _add_all(self, request_id: str, prompts: list[str | TokenIds], params: SamplingParams,
                        priority: int, cache_salt: str | None, field_names: dict[str, str] | None = None,
-                       kv_transfer_params: TransferParams | None = None, n: int = 1) -> list[RequestStream]:
+                       kv_transfer_params: TransferParams | None = None, n: int = 1,
+                       add_special_tokens: bool = True) -> list[RequestStream]:
         """Add every prompt of a request, n samples each (stream p * n + i is prompt p's sample
         i), or none: a refused one aborts those already added. A prompt's samples are separate
         engine requests; the scheduler has the later ones wait while the first computes the
         prompt, then read its blocks from the prefix cache (one prefill, not n). With a seed,
         sample i uses seed + i, as vLLM. `field_names`: the body's names of SamplingParams'
         fields, for a refusal's message. `kv_transfer_params`: the router's pairing
-        (disaggregation), one room per prompt."""
+        (disaggregation), one room per prompt. `add_special_tokens`: for text prompts (BOS and the like)."""
         if kv_transfer_params is not None and len(prompts) * n > 1:
             raise InvalidRequestError("a disaggregated request takes one prompt and n = 1 (one bootstrap_room each)",
                                       "prompt")
         if self.log_requests:
             self._log_request(request_id, prompts, params)
-        samples = [(prompt, params if params.seed is None else dataclasses.replace(params, seed=params.seed + i))
-                   for prompt in prompts for i in range(n)]
+        samples = [(prompt, sample) for prompt in prompts for sample in dataclasses.replace(params, n=n).samples()]
+        request_ids = [f"{request_id}-{index}" if len(samples) > 1 else request_id for index in range(len(samples))]
+        if self.metrics is not None and n > 1:
+            for first in range(0, len(samples), n):
+                self.metrics.expect_samples(request_ids[first:first + n])
         streams: list[RequestStream] = []
         try:
-            for index, (prompt, sample_params) in enumerate(samples):
-                suffix = f"-{index}" if len(samples) > 1 else ""
-                streams.append(await self.engine.add_request(request_id + suffix, prompt, sample_params, priority,
+            for sample_id, (prompt, sample_params) in zip(request_ids, samples):
+                streams.append(await self.engine.add_request(sample_id, prompt, sample_params, priority,
                                                              cache_salt=cache_salt,
-                                                             kv_transfer_params=kv_transfer_params))
+                                                             kv_transfer_params=kv_transfer_params,
+                                                             add_special_tokens=add_special_tokens))
         except InvalidRequestError as error:
-            for stream in streams:
-                stream.abort()
+            self._abort_added(streams, request_ids)
             name = (field_names or {}).get(error.param)
             if name is None:
                 raise
             raise InvalidRequestError(str(error).replace(error.param, name), name) from None
         except BaseException:
-            for stream in streams:
-                stream.abort()
+            self._abort_added(streams, request_ids)
             raise
         return streams
+
+    def _abort_added(self, streams: list[RequestStream], request_ids: list[str]) -> None:
+        """A request refused part-way: the samples already added are aborted (each then counts as its own)."""
+        if self.metrics is not None:
+            self.metrics.forget_samples(request_ids)
+        for stream in streams:
+            stream.abort()
+
+    async def _beam_search(self, request_id: str, prompts: list[str | TokenIds],
+                           body: CompletionRequest | ChatCompletionRequest, params: SamplingParams,
+                           **add_options: Any) -> list[RequestOutput]:
+        """use_beam_search (vLLM's): each prompt's body.n best beams (chunkserve.engine.beam_search),
+        as n finished outputs laid out like _add_all's streams (output p * n + i: prompt p's beam i)."""
+        beam_params = body.beam_search_params(params)
+        arrival = time.time()
+        found = await beam_search_async(self.engine, request_id, prompts, beam_params, body.priority, body.cache_salt,
+                                        "n", **add_options)
+        return [RequestOutput(request_id, prompt if isinstance(prompt, str) else None,
+                              beam.tokens[: beam.num_prompt_tokens],
+                              [beam_completion(beam, beam_params, self.tokenizer, params.logprobs)],
+                              True, RequestMetrics(arrival_time=arrival, finished_time=time.time()))
+                for prompt, beams in zip(prompts, found) for beam in beams]
 
     def _log_request(self, request_id: str, prompts: list[str | TokenIds], params: SamplingParams) -> None:
         """--enable-log-requests: what arrived (prompts cut at --max-log-len characters or ids)."""
@@ -381,20 +513,12 @@ class Serving:
             "text_offset": offsets,
         }
 
-    def _vllm_prompt_logprobs(self, token_ids: list[int], records: list[TokenLogprobs | None]) -> list[Event | None]:
+    def _vllm_prompt_logprobs(self, records: list[TokenLogprobs | None]) -> list[Event | None]:
         """vLLM's `prompt_logprobs`: per prompt token, None for the first, else token id -> its
-        logprob, rank among the top ones (None when outside them) and text; the top ones too."""
-        shown = []
-        for token_id, record in zip(token_ids, records):
-            if record is None:
-                shown.append(None)
-                continue
-            entries = {str(t): {"logprob": lp, "rank": rank, "decoded_token": self._token_text(t)}
-                       for rank, (t, lp) in enumerate(record.top, start=1)}
-            entries.setdefault(str(token_id), {"logprob": record.logprob, "rank": None,
-                                               "decoded_token": self._token_text(token_id)})
-            shown.append(entries)
-        return shown
+        logprob, rank in the vocabulary and text, for the prompt token and the top ones."""
+        return [None if record is None else
+                {str(t): dataclasses.asdict(entry) for t, entry in logprob_dict(record, self._token_text).items()}
+                for record in records]
 
     def _chat_logprob(self, record: TokenLogprobs, as_ids: bool = False) -> Event:
         def entry(token_id: int, logprob: float) -> Event:
@@ -410,6 +534,57 @@ def _sglang_finish_reason(completion: Any, num_tokens: int) -> Event:
     if completion.finish_reason == "stop":
         return {"type": "stop", "matched": completion.stop_reason}
     return {"type": "abort", "message": "aborted"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateLogprobs:
+    """What a /generate prompt asks of logprobs (SGLang's return_logprob and its companions)."""
+
+    top: int  # top_logprobs_num: the most likely tokens shown at each position
+    start: int  # logprob_start_len: the first prompt position shown (-1: the prompt's last token only)
+    with_text: bool  # return_text_in_logprobs: each token's text beside its id
+
+
+def _logprobs_asked(body: GenerateRequest, count: int) -> list[GenerateLogprobs | None]:
+    """Each prompt's logprob fields (None where return_logprob is not set)."""
+    wanted = body.per_prompt("return_logprob", count, False)
+    starts = body.per_prompt("logprob_start_len", count, -1)
+    tops = body.per_prompt("top_logprobs_num", count, 0)
+    return [GenerateLogprobs(top, start, body.return_text_in_logprobs) if want else None
+            for want, start, top in zip(wanted, starts, tops)]
+
+
+@dataclasses.dataclass
+class _GenerateSample:
+    """One /generate result as its stream's outputs come: a stream's outputs carry what is new,
+    a plain response's one output everything. The shown_* lists are the logprobs already put in
+    SGLang's shape."""
+
+    request_id: str
+    logprobs: GenerateLogprobs | None
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    records: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # the output tokens' logprobs
+    prompt_records: list[TokenLogprobs | None] | None = None
+    shown_input: Event | None = None
+    shown_output: list[list[Any]] = dataclasses.field(default_factory=list)
+    shown_top: list[list[list[Any]]] = dataclasses.field(default_factory=list)
+
+    def add(self, output: RequestOutput) -> _GenerateSample:
+        """A stream's output (what is new)."""
+        completion = output.outputs[0]
+        self.text += completion.text_delta
+        self.token_ids += completion.new_token_ids
+        self.records += completion.new_logprobs
+        self.prompt_records = output.prompt_logprobs or self.prompt_records
+        return self
+
+    def final(self, output: RequestOutput) -> _GenerateSample:
+        """A plain response's only output (everything)."""
+        completion = output.outputs[0]
+        self.text, self.token_ids = completion.text, list(completion.token_ids)
+        self.records, self.prompt_records = list(completion.logprobs or []), output.prompt_logprobs
+        return self
 
 
 async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:

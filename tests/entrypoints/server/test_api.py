@@ -79,6 +79,21 @@ def test_chat_equals_the_offline_chat(client, model_name, default_llm):
     assert chunks[-1].choices[0].finish_reason == expected.outputs[0].finish_reason
 
 
+@pytest.mark.parametrize("fields", [{"chat_template": "{{ messages }}"},
+                                    {"chat_template_kwargs": {"chat_template": "{{ messages }}"}}])
+def test_a_request_chat_template_needs_trust_request_chat_template(client, model_name, server, fields):
+    """As vLLM: a template from the request is code the server would run."""
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template is not set"):
+        client.chat.completions.create(model=model_name, messages=messages, max_tokens=1, extra_body=fields)
+    with server.client() as http:
+        refused = http.post("/tokenize", json={"messages": messages, **fields})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    kwargs = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1,
+                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert kwargs.usage.prompt_tokens > 0  # kwargs alone need no trust
+
+
 def test_logprobs_describe_the_sampled_tokens(client, model_name):
     response = client.completions.create(model=model_name, prompt="1, 2, 3,", max_tokens=5, temperature=0, logprobs=3)
     logprobs = response.choices[0].logprobs

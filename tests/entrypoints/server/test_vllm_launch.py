@@ -1,6 +1,8 @@
 """A vLLM user's launch command and client code, unchanged, against a real server: the model
 positional, several served names, VLLM_API_KEY, CORS, /tokenize, /detokenize, /ping, /load,
-the periodic stats line, and a port in use refused before the model loads."""
+the periodic stats line, a port in use refused before the model loads, and the chat-template
+fields (chat_template with --trust-request-chat-template, chat_template_kwargs,
+continue_final_message) through the openai client's extra_body."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def vllm_server(tmp_path_factory):
     command = [sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", default_model_path(),
                "--served-model-name", "gpt-4o-mini", "smollm", "--port", str(port), "--dtype", "auto",
                "--max-model-len", "2k", "--gpu-memory-utilization", "0.9", "--enforce-eager", "--trust-remote-code",
-               "--disable-log-requests", "--kv-cache-memory-bytes", "256M",
+               "--disable-log-requests", "--kv-cache-memory-bytes", "256M", "--trust-request-chat-template",
                "--allowed-origins", '["https://app.example"]', "--root-path", "/llm"]
     env = {**os.environ, "CHUNKSERVE_API_KEY": "", "VLLM_API_KEY": KEY, "CHUNKSERVE_LOG_STATS_INTERVAL": "0.5"}
     with open(log_path, "w") as log:
@@ -173,11 +175,22 @@ def test_n_samples_share_the_prompts_blocks_and_seeded_samples_differ(vllm_serve
     client = openai.OpenAI(base_url=f"{vllm_server.base_url}/v1", api_key=KEY)
     prompt = "Write a story about a lighthouse keeper and a storm. " * 8  # ~96 tokens: 6 full blocks
     before = prefix_cache_hits(vllm_server)
+    n_before = vllm_server.metrics()
     answer = client.completions.create(model="smollm", prompt=prompt, n=3, seed=11, max_tokens=12, temperature=1.0)
     assert [c.index for c in answer.choices] == [0, 1, 2]
     assert len({c.text for c in answer.choices}) > 1  # seeds 11, 12, 13
     num_prompt = answer.usage.prompt_tokens
     assert prefix_cache_hits(vllm_server) - before >= 2 * ((num_prompt - 1) // 16 * 16)  # samples 1, 2 read its blocks
+    # vLLM's per-parent histograms: one request of n = 3, its longest sample's length
+    n_after = vllm_server.wait_until(lambda m: m["chunkserve:request_params_n_count{}"]
+                                     == n_before["chunkserve:request_params_n_count{}"] + 1)
+    assert n_after["chunkserve:request_params_n_sum{}"] - n_before["chunkserve:request_params_n_sum{}"] == 3
+    longest = max(answer.choices, key=lambda c: c.finish_reason == "length")  # 12 tokens unless every one stopped
+    assert (n_after["chunkserve:request_max_num_generation_tokens_count{}"]
+            - n_before["chunkserve:request_max_num_generation_tokens_count{}"]) == 1
+    if longest.finish_reason == "length":
+        assert (n_after["chunkserve:request_max_num_generation_tokens_sum{}"]
+                - n_before["chunkserve:request_max_num_generation_tokens_sum{}"]) == 12
     again = client.completions.create(model="smollm", prompt=prompt, n=3, seed=11, max_tokens=12, temperature=1.0)
     assert [c.text for c in again.choices] == [c.text for c in answer.choices]
     chat = client.chat.completions.create(model="smollm", messages=[{"role": "user", "content": "Hi"}], n=2,
@@ -215,3 +228,79 @@ def test_vllm_sampling_extras_through_the_openai_client(vllm_server):
     assert with_prompt[0] is None and all(len(entry) >= 2 for entry in with_prompt[1:])
     short = complete(truncate_prompt_tokens=3)
     assert short.usage.prompt_tokens == 3
+
+
+PREFILLED = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "The capital of France is"}]
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not "
+                     "enable_thinking %}/no_think\n{% endif %}{% endif %}")
+
+
+def chat_prompt_tokens(vllm_server, messages, **fields) -> tuple[int, list[int]]:
+    """The chat's prompt size as the server counts it (usage), and /tokenize's ids for the same fields."""
+    client = openai.OpenAI(base_url=f"{vllm_server.base_url}/v1", api_key=KEY)
+    answer = client.chat.completions.create(model="smollm", messages=messages, max_tokens=1, temperature=0,
+                                            extra_body=fields)
+    with httpx.Client(base_url=vllm_server.base_url, headers=auth()) as http:
+        tokens = http.post("/tokenize", json={"messages": messages, **fields}).json()["tokens"]
+    return answer.usage.prompt_tokens, tokens
+
+
+def test_continue_final_message_continues_the_assistants_text(vllm_server):
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    count, tokens = chat_prompt_tokens(vllm_server, PREFILLED, **fields)
+    assert count == len(tokens)
+    with httpx.Client(base_url=vllm_server.base_url, headers=auth()) as http:
+        text = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nThe capital of France is")  # open: no end of turn
+    client = openai.OpenAI(base_url=f"{vllm_server.base_url}/v1", api_key=KEY)
+    answer = client.chat.completions.create(model="smollm", messages=PREFILLED, max_tokens=4, temperature=0,
+                                            extra_body=fields)
+    same = client.completions.create(model="smollm", prompt=tokens, max_tokens=4, temperature=0)
+    assert answer.choices[0].message.content == same.choices[0].text and "Paris" in same.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="Cannot set both `continue_final_message` and "
+                                                     "`add_generation_prompt` to True"):
+        client.chat.completions.create(model="smollm", messages=PREFILLED, max_tokens=1,
+                                       extra_body={"continue_final_message": True})
+
+
+def test_a_request_chat_template_and_its_kwargs_shape_the_prompt(vllm_server):
+    messages = PREFILLED[:1]
+    plain, plain_tokens = chat_prompt_tokens(vllm_server, messages, chat_template=THINKING_TEMPLATE)
+    off, off_tokens = chat_prompt_tokens(vllm_server, messages, chat_template=THINKING_TEMPLATE,
+                                         chat_template_kwargs={"enable_thinking": False})
+    assert (plain, off) == (len(plain_tokens), len(off_tokens)) and off > plain
+    with httpx.Client(base_url=vllm_server.base_url, headers=auth()) as http:
+        assert http.post("/detokenize", json={"tokens": off_tokens}).json()["prompt"].endswith("/no_think\n")
+    default, _ = chat_prompt_tokens(vllm_server, messages)
+    assert default != plain  # the model's template has a system prompt; the request's has none
+    client = openai.OpenAI(base_url=f"{vllm_server.base_url}/v1", api_key=KEY)
+    with pytest.raises(openai.BadRequestError, match="chat_template failed"):
+        client.chat.completions.create(model="smollm", messages=messages, max_tokens=1,
+                                       extra_body={"chat_template": "{% if %}"})
+
+
+def test_use_beam_search_through_the_openai_client(vllm_server):
+    """vLLM's use_beam_search: n beams, best first, answered whole; width 1 is greedy."""
+    client = openai.OpenAI(base_url=f"{vllm_server.base_url}/v1", api_key=KEY)
+    prompt = "The capital of France is"
+
+    def complete(n=1, stream=False, **extra):
+        return client.completions.create(model="smollm", prompt=prompt, max_tokens=5, n=n, temperature=0, logprobs=1,
+                                         stream=stream, extra_body={"ignore_eos": True, **extra})
+
+    greedy = complete()
+    assert complete(use_beam_search=True, length_penalty=0.0).choices[0].text == greedy.choices[0].text
+    answer = complete(3, use_beam_search=True, length_penalty=0.0)
+    assert [c.index for c in answer.choices] == [0, 1, 2] and len({c.text for c in answer.choices}) == 3
+    cumulative = [sum(c.logprobs.token_logprobs) for c in answer.choices]
+    assert cumulative == sorted(cumulative, reverse=True)  # best first: by cumulative logprob at length_penalty 0
+    assert cumulative[0] >= sum(greedy.choices[0].logprobs.token_logprobs) - 1e-4
+    assert all(c.finish_reason == "length" for c in answer.choices) and answer.usage.completion_tokens == 15
+    assert answer.usage.prompt_tokens == greedy.usage.prompt_tokens
+    chat = client.chat.completions.create(model="smollm", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          n=2, temperature=0, extra_body={"use_beam_search": True})
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.content for c in chat.choices)
+    with pytest.raises(openai.BadRequestError, match="use_beam_search does not stream"):
+        complete(2, stream=True, use_beam_search=True)
