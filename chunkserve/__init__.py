@@ -20,6 +20,7 @@ _EXPORTS = {
     "ModelLoadError": "chunkserve.errors",
     "SamplingParams": "chunkserve.sampling_params",
     "BeamSearchParams": "chunkserve.sampling_params",
+    "StructuredOutputsParams": "chunkserve.sampling_params",
     "Logprob": "chunkserve.engine.outputs",
 }
 __all__ = sorted(_EXPORTS)
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from chunkserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, StepRecord
     from chunkserve.entrypoints.llm import LLM
     from chunkserve.errors import InvalidRequestError, ModelLoadError
-    from chunkserve.sampling_params import BeamSearchParams, SamplingParams
+    from chunkserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -27,6 +27,53 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's StructuredOutputsParams): exactly one of `json` (a JSON
+    schema, as a dict or its text), `regex`, `choice` (one of these strings), `grammar` (Lark, or
+    GBNF/EBNF when its rules are written `::=`), `json_object` (any JSON object) or
+    `structural_tag` (vLLM's JSON: free text in which each `begin` ... `end` segment, once a
+    trigger appears, follows its schema). Decoding is constrained token by token, so the output
+    parses unless it is cut short by max_tokens or a stop string.
+
+    `disable_any_whitespace`: JSON without whitespace between tokens (compact output);
+    `disable_additional_properties`: a schema's objects take only the properties it names."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in self.KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError("structured_outputs takes exactly one of json, regex, choice, grammar, "
+                                      f"json_object and structural_tag; got {given or 'none'}", "structured_outputs")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError("structured_outputs.choice must be a non-empty list of strings",
+                                      "structured_outputs")
+        for kind in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"structured_outputs.{kind} must be a non-empty string",
+                                          "structured_outputs")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object or its JSON text)",
+                                      "structured_outputs")
+
+    @property
+    def kind(self) -> str:
+        """Which of the constraint fields is set."""
+        return next(kind for kind in self.KINDS if getattr(self, kind) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
 
@@ -63,6 +110,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     prompt_logprobs: int | None = None  # k: each prompt token's logprob (after the first) and the top k
     truncate_prompt_tokens: int | None = None  # k: keep only the prompt's last k tokens; -1: max_model_len
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (JSON schema, regex, ...)
     # bad_words tokenized by the input processor, with and without a leading space (vLLM's private field)
     _bad_words_token_ids: list[list[int]] | None = None
 
@@ -146,6 +194,8 @@ class SamplingParams:
                 not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < -1
                 or self.truncate_prompt_tokens == 0):
             fail(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {self.truncate_prompt_tokens!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 
     def samples(self) -> list[SamplingParams]:
         """One SamplingParams (n = 1) per sample, sample i seeded with seed + i (vLLM's rule), so

@@ -22,6 +22,7 @@ from chunkserve.config.scheduler import (
     SchedulerConfig,
 )
 from chunkserve.config.speculative import SpeculativeConfig
+from chunkserve.config.structured_outputs import StructuredOutputsConfig
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import MAX_LOGPROBS
 
@@ -239,6 +240,12 @@ class EngineArgs:
         "\"num_speculative_tokens\": 4}'; \"policy\": \"auto\" (default: drafts only while they pay, by the "
         "step-time model) or \"always\""
     )
+    structured_outputs_config: str | dict | None = arg(
+        None, "structured outputs, as JSON (vLLM's shape): '{\"backend\": \"auto\"}' (auto, guidance and llguidance "
+        "all select llguidance, the one backend here; xgrammar, outlines and lm-format-enforcer are refused), "
+        "\"disable_any_whitespace\": true (compact JSON), \"disable_additional_properties\": true (a schema's "
+        "objects take only the properties it names): defaults for every request"
+    )
     seed: int = arg(0, "seed of the sampler for requests that give none", aliases=("--random-seed",))
     max_prompt_chars: int | None = arg(
         None, f"longer prompts are refused before they are tokenized (default: {CHARS_PER_TOKEN_BOUND} x max_model_len)"
@@ -300,6 +307,7 @@ class EngineArgs:
         if parallel.world_size > 1 and (self.disaggregation_mode != "null" or self.enable_hierarchical_cache):
             fail("tensor/pipeline parallelism cannot be combined with disaggregation_mode or "
                  "enable_hierarchical_cache yet (their KV connectors move one rank's KV pool)")
+        self.structured_outputs()  # checks the JSON
         speculative = self.speculative()  # checks the JSON
         if speculative is not None and parallel.pipeline_parallel_size > 1:
             fail("speculative decoding is not supported with pipeline parallelism (as in vLLM): a request's drafts "
@@ -367,6 +375,9 @@ class EngineArgs:
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    def structured_outputs(self) -> StructuredOutputsConfig:
+        return StructuredOutputsConfig.parse(self.structured_outputs_config)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.nnodes, self.node_rank,

@@ -137,7 +137,7 @@ class AsyncLLM:
         self.tokenizer: Any = get_tokenizer()
         self.input_processor = InputProcessor(self.tokenizer, source, self.info,
                                               args.request_limits(self.info.max_model_len),
-                                              args.disaggregation_mode)
+                                              args.disaggregation_mode, args.structured_outputs())
         self.output_processor = OutputProcessor(self.tokenizer)
         self.generation_defaults = generation_defaults(source, args.generation_config)  # SamplingParams field -> value
         # Tokenizing and chat templates run here, never on the event loop (a long prompt would stall
@@ -229,7 +229,7 @@ class AsyncLLM:
                                   **options: Any) -> list[int]:
         """A conversation -> prompt token ids (off the event loop, like tokenizing); `options`: the
         input processor's (continue_final_message, chat_template, chat_template_kwargs, documents,
-        add_special_tokens)."""
+        add_special_tokens, tools)."""
         return await asyncio.get_running_loop().run_in_executor(
             self._text_pool, functools.partial(self.input_processor.apply_chat_template, messages,
                                                add_generation_prompt, **options))

@@ -34,6 +34,7 @@ from chunkserve.core.sched.output import (
 )
 from chunkserve.core.sched.scheduler import Scheduler
 from chunkserve.core.step_predictor import StepShape, StepTimePredictor
+from chunkserve.core.structured.manager import StructuredOutputManager
 from chunkserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from chunkserve.engine.outputs import StepRecord
 from chunkserve.engine.triage import StepFailureTriage
@@ -49,6 +50,8 @@ MAX_STEP_RECORDS = 100_000
 # frontend gives the engine process to exit (AsyncLLM.shutdown)
 KV_SETTLE_TIMEOUT_S = 20.0
 EXPORT_MODES = ("copy", "pause")
+# while nothing can run but requests whose grammars are compiling, the loop waits this long for one
+GRAMMAR_IDLE_WAIT_S = 0.01
 
 
 class EngineCore:
@@ -77,7 +80,9 @@ class EngineCore:
         self._fingerprint: ModelFingerprint | None = None
         if kv_connector is None:
             kv_connector = self._default_connector(config)
-        self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector)
+        self.structured = StructuredOutputManager(self._load_tokenizer, self.model_config.vocab_size)
+        self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector,
+                                   structured=self.structured)
         self.triage = StepFailureTriage()
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self._next_step_id = 0
@@ -101,6 +106,13 @@ class EngineCore:
         if config.disaggregation_mode == "decode":
             return DecodeConnectorScheduler(config.block_size, config.disaggregation_waiting_timeout)
         return None
+
+    def _load_tokenizer(self):
+        """The model's tokenizer, for the grammars (loaded by the first one, on its compile thread)."""
+        from chunkserve.config.model import resolve_model
+        from chunkserve.engine.tokenizer import load_tokenizer
+
+        return load_tokenizer(resolve_model(self.config.model), self.config.tokenizer)
 
     def info(self, model_name: str) -> EngineInfo:
         return EngineInfo(model_name, self.max_model_len, self.model_config.vocab_size)
@@ -256,18 +268,22 @@ class EngineCore:
         """One step; None when nothing was scheduled (unless the KV connector reported progress:
         then no outputs and no record, but fresh stats). A step the executor fails is void and
         fails only the requests found to cause it (triage.py); the others run again."""
+        failed = self.scheduler.take_grammar_failures()
         if self.executor.max_concurrent_batches > 1:
-            return self._step_pipelined()
+            return _with_outputs(self._step_pipelined(), failed, self.scheduler)
         start_wall, start = time.time(), time.perf_counter()
         margin = self.predictor.margin
         scheduled = self.scheduler.schedule()
+        if scheduled.is_empty and not failed:  # only requests whose grammars compile may wait: not in a spin
+            self.structured.wait_for_compiles(GRAMMAR_IDLE_WAIT_S)
         try:
             runner_output = self.executor.execute_model(scheduled)
         except EngineDeadError:
             raise
         except Exception as error:
-            return self._void_step(scheduled, error)
-        return self._complete_step(scheduled, runner_output, start_wall, start, margin)
+            return _with_outputs(self._void_step(scheduled, error), failed, self.scheduler)
+        return _with_outputs(self._complete_step(scheduled, runner_output, start_wall, start, margin), failed,
+                             self.scheduler)
 
     def _step_pipelined(self) -> EngineCoreOutputs | None:
         """Pipeline parallelism: keep up to `max_concurrent_batches` steps in flight (each stage
@@ -381,6 +397,8 @@ class EngineCore:
             num_draft_tokens=sum(len(s.draft_token_ids) for s in scheduled.scheduled),
             num_accepted_tokens=sum(len(runner_output.sampled_token_ids.get(s.request_id, ())) - 1
                                     for s in scheduled.scheduled if s.draft_token_ids),
+            grammar_mask_s=scheduled.grammar_mask_s,
+            grammar_compile_s=tuple(self.structured.take_compile_seconds()),
             request_ids=tuple(s.request_id for s in scheduled.scheduled) if pipelined else (),
             sampled_request_ids=tuple(s.request_id for s in scheduled.scheduled if s.sample) if pipelined else (),
             ranks=tuple(dataclasses.asdict(r) for r in runner_output.rank_stats) if len(runner_output.rank_stats) > 1
@@ -437,6 +455,7 @@ class EngineCore:
         """Stop the executor. With the disk KV tier, settle it first: write_back saves every block
         the pool caches that the tier lacks, and every pending write lands (at most
         KV_SETTLE_TIMEOUT_S), so a restart on the same folder finds them."""
+        self.structured.shutdown()
         connector = self.scheduler.connector
         connector.begin_shutdown()
         deadline = time.monotonic() + KV_SETTLE_TIMEOUT_S
@@ -494,3 +513,13 @@ def check_budget(config: SchedulerConfig) -> None:
             f"with chunked prefill off a whole prompt must fit one step: max_num_batched_tokens "
             f"({config.max_num_batched_tokens}) must be at least max_model_len ({config.max_model_len})"
         )
+
+
+def _with_outputs(step: EngineCoreOutputs | None, outputs: list[EngineCoreOutput],
+                  scheduler: Scheduler) -> EngineCoreOutputs | None:
+    """A step's outputs with `outputs` (requests failed before it) in front."""
+    if not outputs:
+        return step
+    if step is None:
+        return EngineCoreOutputs(outputs, time.time(), None, scheduler.stats())
+    return dataclasses.replace(step, outputs=outputs + step.outputs)

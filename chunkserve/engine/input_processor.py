@@ -13,7 +13,9 @@ from typing import Any
 
 from chunkserve.config.limits import RequestLimits
 from chunkserve.config.model import ModelSource
+from chunkserve.config.structured_outputs import StructuredOutputsConfig
 from chunkserve.core.disagg.protocol import TransferParams
+from chunkserve.core.structured import grammar
 from chunkserve.engine.messages import EngineCoreRequest, EngineInfo
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import SamplingParams
@@ -21,9 +23,13 @@ from chunkserve.sampling_params import SamplingParams
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, source: ModelSource, info: EngineInfo, limits: RequestLimits,
-                 disaggregation_mode: str = "null") -> None:
+                 disaggregation_mode: str = "null",
+                 structured_outputs: StructuredOutputsConfig | None = None) -> None:
+        """`structured_outputs`: the server's defaults for requests' structured outputs
+        (--structured-outputs-config)."""
         self.tokenizer = tokenizer
         self.disaggregation_mode = disaggregation_mode
+        self.structured_outputs = structured_outputs or StructuredOutputsConfig()
         self.info = info
         self.limits = limits
         self.eos_token_id, self.extra_stop_ids = eos_ids(tokenizer, source)
@@ -56,6 +62,7 @@ class InputProcessor:
         if params.prompt_logprobs is not None and self.disaggregation_mode != "null":
             raise InvalidRequestError("prompt_logprobs is not supported by a prefill/decode disaggregated "
                                       "deployment: the prompt is computed on another instance", "prompt_logprobs")
+        params = self._structured_outputs(params)
         text, token_ids = self._tokenize(prompt, add_special_tokens)
         token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         params = self._resolve_params(params, len(token_ids))
@@ -77,13 +84,15 @@ class InputProcessor:
                             continue_final_message: bool = False, chat_template: str | None = None,
                             chat_template_kwargs: dict[str, Any] | None = None,
                             documents: list[dict[str, str]] | None = None,
-                            add_special_tokens: bool = False) -> list[int]:
+                            add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """A conversation -> prompt token ids, as vLLM renders it: the template (`chat_template`, else
         the tokenizer's or --chat-template's) renders to text, with `chat_template_kwargs` laid over
         add_generation_prompt, continue_final_message, documents and chat_template; the text is then
         encoded with `add_special_tokens` (False: the template writes BOS itself; transformers'
         tokenize=True gives the same ids). continue_final_message leaves the last message open (no
-        end-of-turn) for the model to continue. Raises InvalidRequestError naming the field."""
+        end-of-turn) for the model to continue. `tools`: function tools for templates that render them;
+        assistant tool_calls whose arguments are JSON text reach the template with them as a dict, as
+        vLLM passes them (tool-use templates expect a mapping). Raises InvalidRequestError naming the field."""
         if not messages:
             raise InvalidRequestError("messages is empty", "messages")
         if len(messages) >= self.info.max_model_len:  # each message takes at least a token of the template
@@ -92,12 +101,15 @@ class InputProcessor:
         limit = self.limits.max_prompt_chars
         chars = sum(len(m.get("content") or "") for m in messages)
         chars += sum(len(v) for document in documents or () for v in document.values())
+        chars += len(json.dumps(tools, default=str)) if tools else 0  # (transformers also takes functions as tools)
+        messages = [_tool_arguments_as_dicts(m) for m in messages]
+        chars += sum(len(json.dumps(m["tool_calls"], default=str)) for m in messages if m.get("tool_calls"))
         if chars > limit:
             raise InvalidRequestError(f"messages have {chars} characters of content, over the limit of {limit} "
                                       "(--max-prompt-chars)", "messages")
         options: dict[str, Any] = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
                                    "continue_final_message": continue_final_message, "documents": documents,
-                                   **(chat_template_kwargs or {})}
+                                   "tools": tools, **(chat_template_kwargs or {})}
         if "tokenize" in options:
             raise InvalidRequestError("Found unexpected chat template kwargs from request: {'tokenize'}",
                                       "chat_template_kwargs")
@@ -124,6 +136,27 @@ class InputProcessor:
             raise InvalidRequestError(f"the chat template's text has {len(text)} characters, over the limit of "
                                       f"{limit} (--max-prompt-chars)", field)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _structured_outputs(self, params: SamplingParams) -> SamplingParams:
+        """The request's structured outputs with the server's defaults laid over them
+        (--structured-outputs-config turns disable_any_whitespace and disable_additional_properties
+        on for every request), and their grammar compiled once to check it: a bad schema, regex or
+        grammar is refused here, naming the problem, before it reaches the engine."""
+        wanted = params.structured_outputs
+        if wanted is None:
+            return params
+        if self.disaggregation_mode != "null":
+            raise InvalidRequestError("structured_outputs is not supported with prefill/decode disaggregation yet: "
+                                      "send constrained requests to a monolithic server", "structured_outputs")
+        defaults = self.structured_outputs
+        if defaults.disable_any_whitespace or defaults.disable_additional_properties:
+            wanted = dataclasses.replace(
+                wanted, disable_any_whitespace=wanted.disable_any_whitespace or defaults.disable_any_whitespace,
+                disable_additional_properties=wanted.disable_additional_properties
+                or defaults.disable_additional_properties)
+            params = dataclasses.replace(params, structured_outputs=wanted)
+        grammar.validate(wanted)
+        return params
 
     def _check_sizes(self, params: SamplingParams) -> None:
         limits = self.limits
@@ -211,6 +244,32 @@ class InputProcessor:
         extra_stops = [] if params.ignore_eos else [t for t in self.extra_stop_ids if t not in params.stop_token_ids]
         return dataclasses.replace(params, max_tokens=max_tokens, stop_token_ids=params.stop_token_ids + extra_stops,
                                    _bad_words_token_ids=bad_words_token_ids)
+
+
+def _tool_arguments_as_dicts(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool_calls with each call's arguments as a dict (vLLM's rule: JSON
+    text is decoded; what is not a JSON object becomes {}, so a bad turn in the history does not
+    make the conversation unusable); other messages as they are."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        return message
+    if not calls:  # no calls: the template's plain assistant path
+        return {k: v for k, v in message.items() if k != "tool_calls"}
+    converted = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise InvalidRequestError("each of an assistant message's tool_calls must be an object with a function",
+                                      "messages")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments else {}
+            except ValueError:
+                arguments = {}
+        converted.append({**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict)
+                                               else {}}})
+    return {**message, "tool_calls": converted}
 
 
 def tokenize_bad_words(tokenizer: Any, words: list[str]) -> list[list[int]]:

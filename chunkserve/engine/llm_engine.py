@@ -28,9 +28,10 @@ class LLMEngine:
         self.engine_core = EngineCore(args)
         self.info = self.engine_core.info(source.name)
         self.tokenizer: Any = load_tokenizer(source, args.tokenizer, args.chat_template)
+        self.engine_core.structured.use_tokenizer(self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, source, self.info,
                                               args.request_limits(self.info.max_model_len),
-                                              args.disaggregation_mode)
+                                              args.disaggregation_mode, args.structured_outputs())
         self.output_processor = OutputProcessor(self.tokenizer)
         self.generation_defaults = generation_defaults(source, args.generation_config)  # SamplingParams field -> value
         self.last_step_record: StepRecord | None = None  # of the last step(); None if it ran nothing

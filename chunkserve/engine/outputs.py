@@ -98,6 +98,8 @@ class StepRecord:
     kv_transfer_bytes: int = 0  # disaggregated: KV bytes sent (prefill) or copied in (decode) since the last record
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified in the step
     num_accepted_tokens: int = 0  # of those, accepted
+    grammar_mask_s: float = 0.0  # structured outputs: seconds spent filling the step's grammar bitmasks
+    grammar_compile_s: tuple[float, ...] = ()  # grammars compiled (off the step loop) since the last record
     # pipelined (the step was in flight from start_time for duration_s, beside others): the requests it
     # computed, decodes first, and those of them it sampled
     request_ids: tuple[str, ...] = ()

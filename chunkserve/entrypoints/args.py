@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chunkserve.config.engine import arg
+from chunkserve.entrypoints.server.tool_parsers import TOOL_PARSERS
 from chunkserve.errors import InvalidRequestError
 
 
@@ -108,6 +109,20 @@ class ServerArgs:
         False, "let chat and /tokenize requests bring their own chat_template (a Jinja template, which the server "
                "then renders: code from the client); without it such a request gets 400, as in vLLM"
     )
+    enable_auto_tool_choice: bool = arg(
+        False, "serve tool_choice \"auto\" (the default for a request with tools): calls are read from the model's "
+               "text by --tool-call-parser; without it such requests get 400, as in vLLM (\"required\" and a named "
+               "function need neither flag: their decoding follows the tools' schema)"
+    )
+    tool_call_parser: str | None = arg(
+        None, "the format the model writes tool calls in, for --enable-auto-tool-choice: hermes (Hermes 2 Pro, "
+              "Qwen 2.5 and 3), llama3_json (Llama 3.1 and later; llama4_json is the same), mistral",
+        choices=tuple(TOOL_PARSERS)
+    )
+    exclude_tools_when_tool_choice_none: bool = arg(
+        False, "requests with tool_choice \"none\" render the chat template without their tools (by default the "
+               "template gets them all the same, as in vLLM)"
+    )
     trace_steps: str | None = arg(None, "append one JSON line per engine step to this file")
     headless: bool = arg(
         False, "run only this node's worker ranks (--node-rank 1 or more of --nnodes), no server: they connect to "
@@ -136,6 +151,9 @@ class ServerArgs:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise InvalidRequestError(f"{name} must be a JSON list of strings, got {value!r}")
             setattr(self, name, value)
+        if self.enable_auto_tool_choice and self.tool_call_parser not in TOOL_PARSERS:
+            raise InvalidRequestError(f"--enable-auto-tool-choice needs --tool-call-parser, one of "
+                                      f"{', '.join(TOOL_PARSERS)}; got {self.tool_call_parser!r}")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise InvalidRequestError("ssl_keyfile and ssl_certfile go together")
         if self.max_log_len is not None and self.max_log_len < 0:

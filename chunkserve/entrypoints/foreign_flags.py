@@ -38,8 +38,8 @@ _KV_POOL_SIZE = ("the KV pool is not a fraction of device memory here: it is --k
                  "--kv-cache-memory-bytes or --num-kv-blocks")
 _NO_DOWNLOAD = "no model is downloaded: pass a local folder, a .gguf file or a model id already in the local Hugging " \
                "Face cache"
-_NOT_TOOLS = ("tool calling and structured outputs are not built yet: requests with tools or response_format are "
-              "refused")
+_LLGUIDANCE = ("structured outputs are constrained with llguidance, the one backend here (docs/STRUCTURED_OUTPUTS.md); "
+               "--structured-outputs-config '{\"backend\": \"auto\"}' is vLLM's current flag")
 
 FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     # accepted: they mean nothing on this engine
@@ -98,9 +98,15 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
                 refusal="prefill/decode disaggregation uses SGLang's flags: --disaggregation-mode prefill|decode on "
                         "each server and `chunkserve router` in front (README, 'Prefill/decode disaggregation')"),
     ForeignFlag(("--hf-overrides",), True, refusal="edit the model folder's config.json instead"),
-    ForeignFlag(("--enable-auto-tool-choice",), False, refusal=_NOT_TOOLS),
-    ForeignFlag(("--tool-call-parser", "--reasoning-parser", "--structured-outputs-config",
-                 "--guided-decoding-backend", "--grammar-backend"), True, refusal=_NOT_TOOLS),
+    ForeignFlag(("--tool-parser-plugin",), True,
+                refusal="no parser plugins are loaded: --tool-call-parser takes the built-in hermes (Hermes, Qwen), "
+                        "llama3_json (Llama 3.1+) and mistral"),
+    ForeignFlag(("--reasoning-parser",), True,
+                refusal="there are no reasoning parsers: a model's reasoning stays in the content"),
+    # vLLM's older flag and SGLang's: the backend that is here is accepted, the others refused
+    ForeignFlag(("--guided-decoding-backend",), True, _LLGUIDANCE, refusal=_LLGUIDANCE,
+                harmless=("auto", "guidance", "llguidance")),
+    ForeignFlag(("--grammar-backend",), True, _LLGUIDANCE, refusal=_LLGUIDANCE, harmless=("llguidance",)),
     ForeignFlag(("--otlp-traces-endpoint",), True,
                 refusal="there is no OpenTelemetry export: --trace-steps FILE writes one JSON line per engine step, "
                         "and /metrics serves Prometheus"),

@@ -20,7 +20,7 @@ from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
-Message = dict[str, str]
+Message = dict[str, Any]  # role and content; an assistant's tool_calls, a tool message's tool_call_id
 
 
 class LLM:
@@ -112,27 +112,30 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate. vLLM's
         names; keyword-only after use_tqdm because vLLM's order has lora_request and others there,
-        which a positional call must not silently fill. See `apply_chat_template`."""
+        which a positional call must not silently fill. See `apply_chat_template`. As in vLLM, the
+        answers are not read for tool calls (the server's --tool-call-parser does that)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template=chat_template,
-                                            continue_final_message=continue_final_message,
+                                            continue_final_message=continue_final_message, tools=tools,
                                             chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True, *,
                             chat_template: str | None = None, continue_final_message: bool = False,
+                            tools: list[dict[str, Any]] | None = None,
                             chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """A conversation's prompt token ids, as `chat` makes them: `chat_template` in place of the
         model's, `chat_template_kwargs` passed to the template (over the other arguments, as in
         vLLM), `continue_final_message` leaving the last message open for the model to continue
-        (with add_generation_prompt=False). Raises InvalidRequestError naming a bad argument."""
+        (with add_generation_prompt=False), `tools` (OpenAI's function tools) for templates that
+        render them. Raises InvalidRequestError naming a bad argument."""
         return self.engine.input_processor.apply_chat_template(
             messages, add_generation_prompt, continue_final_message=continue_final_message,
-            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

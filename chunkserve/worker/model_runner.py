@@ -152,11 +152,12 @@ class ModelRunner:
         logprob_rows = [first_rows[i] + j for i in wants_logprobs for j in range(1 + len(drafts[i]))]
         raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if wants_logprobs else None
         try:
-            runs = sample_runs(logits, states, drafts, self.generator)  # modifies logits in place
+            runs = sample_runs(logits, states, drafts, self.generator,  # modifies logits in place
+                               [by_id[request_id].grammar_bitmask for request_id in ids])
         except InvalidRowsError as error:
             culprits = [ids[index] for index in error.rows]
             raise RequestFailedError("sampling failed: the request's logits, after its penalties, token masks "
-                                     "(allowed_token_ids, bad_words, min_tokens) and temperature, are not a "
+                                     "(grammar, allowed_token_ids, bad_words, min_tokens) and temperature, are not a "
                                      "probability distribution (NaN or infinite, or every token masked)",
                                      culprits) from None
         if wants_logprobs:  # one record per accepted token, from the row that scored it

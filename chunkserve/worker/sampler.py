@@ -1,11 +1,12 @@
-"""Logits -> next tokens: allowed tokens and bad words, penalties, min_tokens, then greedy or
-temperature/top-k/top-p/min-p sampling. Seeded requests draw from their own generator, so their
-stream is reproducible whatever else shares the batch."""
+"""Logits -> next tokens: grammar bitmasks (structured outputs), allowed tokens and bad words,
+penalties, min_tokens, then greedy or temperature/top-k/top-p/min-p sampling. Seeded requests
+draw from their own generator, so their stream is reproducible whatever else shares the batch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from chunkserve.core.sched.output import TokenLogprobs
@@ -46,7 +47,8 @@ def sample(logits: torch.Tensor, states: list[SamplingState], default_generator:
 
 
 def sample_runs(logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]],
-                default_generator: torch.Generator) -> list[list[int]]:
+                default_generator: torch.Generator,
+                bitmasks: list[np.ndarray | None] | None = None) -> list[list[int]]:
     """Speculative verification: state i owns 1 + len(drafts[i]) consecutive rows of `logits`
     (float32 [rows, vocab]; row j scores the token after the state's tokens and its first j
     drafts). Returns per state its accepted drafts, then one token of its own: the target's
@@ -60,8 +62,15 @@ def sample_runs(logits: torch.Tensor, states: list[SamplingState], drafts: list[
     a time. A seeded request draws every uniform from its own generator.
 
     Penalties and min_tokens see a row's earlier drafts as the request's tokens, as they would
-    be had those tokens been sampled one step at a time. Every row is checked before anything
-    is drawn: an InvalidRowsError names states (not rows) and leaves every generator untouched."""
+    be had those tokens been sampled one step at a time. `bitmasks[i]` (structured outputs):
+    state i's grammar bitmask, one row per logits row it owns, applied first. Every row is
+    checked before anything is drawn: an InvalidRowsError names states (not rows) and leaves
+    every generator untouched."""
+    if bitmasks is not None and any(mask is not None for mask in bitmasks):
+        row_masks: list[np.ndarray | None] = []
+        for mask, state_drafts in zip(bitmasks, drafts):
+            row_masks.extend([None] * (1 + len(state_drafts)) if mask is None else list(mask))
+        _mask_grammar(logits, row_masks)
     row_states, owner = [], []
     for index, (state, state_drafts) in enumerate(zip(states, drafts)):
         row_states.append(state)
@@ -126,6 +135,16 @@ def sample_runs(logits: torch.Tensor, states: list[SamplingState], drafts: list[
         if states[index].params.is_greedy:
             runs[index][-1] = chosen[row]
     return runs
+
+
+def _mask_grammar(logits: torch.Tensor, row_masks: list[np.ndarray | None]) -> None:
+    """Every token a row's grammar bitmask leaves out to -inf (bit t of word t // 32: token t
+    allowed); rows without a mask are left alone. In place."""
+    rows = [row for row, mask in enumerate(row_masks) if mask is not None]
+    packed = np.ascontiguousarray(np.stack([row_masks[row] for row in rows]).astype("<i4", copy=False))
+    allowed = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
+    index = torch.tensor(rows)
+    logits[index] = logits[index].masked_fill(torch.from_numpy(allowed) == 0, float("-inf"))
 
 
 def _mask_banned(logits: torch.Tensor, states: list[SamplingState]) -> None:

@@ -5,6 +5,7 @@ it); a request whose masks leave no token fails alone, before anything is drawn.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,3 +79,38 @@ def test_masks_that_leave_no_token_fail_only_that_request_before_any_draw():
         sample(LOGITS.repeat(3, 1), [state(healthy), state(empty), state(healthy)], generator)
     assert error.value.rows == [1]
     assert torch.equal(generator.get_state(), before)
+
+
+def bitmask(*rows: list[int]) -> np.ndarray:
+    """A grammar bitmask (llguidance's layout: bit t of int32 word t // 32) allowing each row's tokens."""
+    packed = np.zeros((len(rows), 1), dtype=np.int32)
+    for row, tokens in enumerate(rows):
+        packed[row, 0] = np.array(sum(1 << t for t in tokens), dtype=np.int64).astype(np.int32)
+    return packed
+
+
+def test_a_grammar_bitmask_restricts_its_rows_only():
+    params = SamplingParams(temperature=0)
+    logits = LOGITS.repeat(2, 1)
+    tokens = sample_runs(logits, [state(params), state(params)], [[], []], torch.Generator(),
+                         [bitmask([4, 9]), None])
+    assert tokens == [[4], [0]]  # the best allowed token; the row without a grammar is untouched
+    params = SamplingParams(temperature=1.0)
+    many = sample_runs(LOGITS.repeat(2000, 1), [state(params) for _ in range(2000)], [[]] * 2000,
+                       torch.Generator().manual_seed(3), [bitmask([2, 5, 8])] * 2000)
+    assert {run[0] for run in many} == {2, 5, 8}
+
+
+def test_a_grammar_bitmask_has_a_row_per_draft_position():
+    params = SamplingParams(temperature=0)
+    # the draft 3 is allowed at row 0 (where the target prefers 3 among {3, 6}); at row 1 only 7 is allowed
+    runs = sample_runs(LOGITS.repeat(2, 1), [state(params)], [[3]], torch.Generator(), [bitmask([3, 6], [7])])
+    assert runs == [[3, 7]]
+
+
+def test_a_grammar_that_allows_nothing_fails_its_request_alone():
+    params = SamplingParams(temperature=0)
+    with pytest.raises(InvalidRowsError) as failed:
+        sample_runs(LOGITS.repeat(2, 1), [state(params), state(params)], [[], []], torch.Generator(),
+                    [None, bitmask([])])
+    assert failed.value.rows == [1]

@@ -1,12 +1,14 @@
 """The scheduler's messages: to the workers (`SchedulerOutput`, block tables as diffs), from
 them (`ModelRunnerOutput`), and to the frontend (`EngineCoreOutput`, only what is new). Plain
-data, no torch."""
+data (numpy arrays at most), no torch."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import numpy as np
 
 from chunkserve.sampling_params import SamplingParams
 
@@ -53,6 +55,9 @@ class ScheduledRequest:
     # workers may lack (its latest sampled tokens); a worker that has them already overwrites them
     new_token_ids: list[int] = field(default_factory=list)
     token_ids_from: int = 0
+    # structured outputs: int32 [num_sampled_rows, words], the tokens each sampling row allows (bit t of word
+    # t // 32); None: no grammar
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def num_sampled_rows(self) -> int:
@@ -73,6 +78,7 @@ class SchedulerOutput:
     predicted_duration_s: float | None = None  # by the step-time model, None before it has data
     prefill_wait_guard: bool = False  # a prompt got tokens past the TBT SLO: it had waited too long
     kv_connector_metadata: object = None  # what the KV connector's worker side loads or saves this step
+    grammar_mask_s: float = 0.0  # seconds the scheduler spent filling grammar bitmasks for this step
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -34,6 +34,11 @@ last one's output is back: a request's computed count advances when it is schedu
 back if its step is voided; a preemption resets it), a request whose step samples is not
 scheduled again until its token is back, and a prompt's next chunk may ride the next step,
 since every stage runs the steps in order and finds the chunk before it in its KV.
+
+Structured outputs (a grammar per request, core/structured/): a request waits, without holding
+anyone up, until its grammar is compiled; each row that samples gets its grammar's token
+bitmask (drafts are first cut at the first token the grammar refuses); the grammar advances by
+the accepted tokens only, and a grammar that is complete finishes its request.
 """
 
 from __future__ import annotations
@@ -64,15 +69,20 @@ from chunkserve.core.spec.ngram import NgramProposer
 from chunkserve.core.spec.policy import DecodeLoad, DraftPolicy
 from chunkserve.core.step_predictor import StepTimePredictor
 from chunkserve.core.stop import check_stop
+from chunkserve.core.structured.manager import GrammarError, StructuredOutputManager
 from chunkserve.errors import InvalidRequestError, ServerOverloadedError
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, predictor: StepTimePredictor | None = None,
-                 clock: Callable[[], float] = time.time, kv_connector: KVConnectorScheduler | None = None) -> None:
+                 clock: Callable[[], float] = time.time, kv_connector: KVConnectorScheduler | None = None,
+                 structured: StructuredOutputManager | None = None) -> None:
         """`predictor` is the step-time model the TBT and TTFT SLOs consult (the engine feeds
-        it); `clock` is the wall clock that request arrival times use."""
+        it); `clock` is the wall clock that request arrival times use; `structured` holds the
+        requests' grammars (none: a request with structured_outputs is refused)."""
         self.config = config
+        self.structured = structured
+        self._grammar_errors: dict[str, str] = {}  # request id -> why its output left its grammar
         self.predictor = predictor
         self._clock = clock
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -112,6 +122,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
+        self._start_grammar(request)
         self.requests[request.request_id] = request
         self.chunking.track(request.request_id, request.arrival_time)
         self.waiting.append(request)
@@ -147,6 +158,7 @@ class Scheduler:
         if num_computed and self.kv.allocate_slots(request.request_id, num_computed, cached) is None:
             raise ServerOverloadedError(f"the KV pool has no room for the imported request's {num_blocks} blocks "
                                         f"({self.kv.num_free_blocks} free); retry later")
+        self._start_grammar(request)
         self.requests[request.request_id] = request
         self.chunking.track(request.request_id, request.arrival_time)
         if not num_computed:  # nothing computed yet: it waits like a new request
@@ -245,6 +257,7 @@ class Scheduler:
             self._attach_new_tokens(step.scheduled, {r.request_id for r in new_requests})
         self.prefix_cache_queries += step.prefix_cache_queries
         self.prefix_cache_hits += step.prefix_cache_hits
+        mask_seconds = self._fill_bitmasks(step.scheduled)
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         output = SchedulerOutput(
             scheduled=step.scheduled,
@@ -255,6 +268,7 @@ class Scheduler:
             prefix_cache_hits=step.prefix_cache_hits,
             predicted_duration_s=self.predictor.predict(step.shape) if self.predictor else None,
             prefill_wait_guard=step.past_slo,
+            grammar_mask_s=mask_seconds,
         )
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         if self.pipelined and output.scheduled:
@@ -334,6 +348,8 @@ class Scheduler:
                 status = check_stop(request, self.config.max_model_len)
                 if status is not None:
                     break
+            if status is None and self._has_grammar(request):
+                status = self._advance_grammar(request, accepted[:count])
             # A stop inside an accepted run drops the tokens after it; none of them is computed.
             request.num_computed_tokens = min(computed, request.num_tokens - 1)
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
@@ -344,8 +360,10 @@ class Scheduler:
                 request.spec_token_ids = list(runner_output.draft_token_ids.get(request.request_id, ()))
                 continuing.append(request)
             logprobs = runner_output.logprobs.get(request.request_id)
-            outputs.append(self.output_of(request, accepted[:count], None if logprobs is None else logprobs[:count],
-                                          runner_output.prompt_logprobs.get(request.request_id)))
+            output_now = self.output_of(request, accepted[:count], None if logprobs is None else logprobs[:count],
+                                        runner_output.prompt_logprobs.get(request.request_id))
+            error = self._grammar_errors.pop(request.request_id, None)
+            outputs.append(output_now if error is None else output_now._replace(error=error))
         self._in_flight.pop(id(output), None)
         if self.ngram is not None and continuing:
             self._propose_ngrams(continuing)
@@ -392,7 +410,8 @@ class Scheduler:
         """Prompts in progress, then waiting ones, in the admission policy's order."""
         in_progress = [r for r in self.running
                        if not r.is_decoding and not step.is_taken(r.request_id) and self._schedulable(r)]
-        waiting = (r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS and self._may_run(r))
+        waiting = (r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS and self._may_run(r)
+                   and self._grammar_ready(r))
         admitting = True
         for request in self.admission.order(in_progress, waiting, step.now):
             if step.is_taken(request.request_id):  # preempted for an earlier one: it waits
@@ -509,15 +528,20 @@ class Scheduler:
         """The request's drafts, trimmed to the budget left beside its own token and to the
         output it may still produce (its proposer kept them under max_model_len)."""
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
-        return request.spec_token_ids[: max(room, 0)]
+        drafts = request.spec_token_ids[: max(room, 0)]
+        if drafts and self._has_grammar(request):
+            drafts = drafts[: self.structured.num_valid_drafts(request.request_id, drafts)]
+        return drafts
 
     def _may_run(self, request: Request) -> bool:
         """Not kept out of the steps by the failure triage."""
         return self.only is None or request.request_id in self.only
 
     def _schedulable(self, request: Request) -> bool:
-        """May run, and (pipelined) is not waiting for the token of a step in flight."""
-        return self._may_run(request) and request.request_id not in self._awaiting_token
+        """May run, its grammar (if any) is ready, and (pipelined) it is not waiting for the
+        token of a step in flight."""
+        return (self._may_run(request) and request.request_id not in self._awaiting_token
+                and self._grammar_ready(request))
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
@@ -629,6 +653,8 @@ class Scheduler:
         self._remote_kv_tokens.pop(request_id, None)
         self._tokens_sent.pop(request_id, None)
         self._awaiting_token.discard(request_id)
+        if self.structured is not None:
+            self.structured.remove(request_id)
         if self.draft_policy is not None:
             self.draft_policy.forget(request_id)
         self.chunking.forget(request_id)
@@ -637,6 +663,55 @@ class Scheduler:
         if request_id in self._known_to_worker:
             self._known_to_worker.discard(request_id)
             self._finished_since_last_step.add(request_id)
+
+    # ----- structured outputs ---------------------------------------------------------------
+
+    def _start_grammar(self, request: Request) -> None:
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return
+        if self.structured is None:
+            raise InvalidRequestError("structured outputs are not available in this engine", "structured_outputs")
+        self.structured.add(request.request_id, params, request.output_token_ids)
+
+    def _has_grammar(self, request: Request) -> bool:
+        return self.structured is not None and self.structured.has(request.request_id)
+
+    def _grammar_ready(self, request: Request) -> bool:
+        return self.structured is None or self.structured.is_ready(request.request_id)
+
+    def _fill_bitmasks(self, scheduled: list[ScheduledRequest]) -> float:
+        """Each sampling row's bitmask, on its scheduled request; returns the seconds it took."""
+        if self.structured is None:
+            return 0.0
+        start = time.perf_counter()
+        for s in scheduled:
+            if s.sample and self.structured.has(s.request_id):
+                s.grammar_bitmask = self.structured.bitmask(s.request_id, s.draft_token_ids)
+        return time.perf_counter() - start
+
+    def _advance_grammar(self, request: Request, accepted: list[int]) -> RequestStatus | None:
+        """The grammar takes the step's accepted tokens. FINISHED_ABORTED (with the reason kept
+        for the output) if a token is outside it, which the bitmask should make impossible;
+        FINISHED_STOPPED if it took an EOS that did not stop the request (ignore_eos): nothing
+        may follow. A grammar that is complete otherwise allows only EOS next, so the request
+        ends on its EOS like any other (vLLM's way), and its text is the grammar's."""
+        try:
+            self.structured.accept(request.request_id, accepted)
+        except GrammarError as error:
+            self._grammar_errors[request.request_id] = str(error)
+            return RequestStatus.FINISHED_ABORTED
+        if accepted[-1] == request.eos_token_id and self.structured.is_terminated(request.request_id):
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def take_grammar_failures(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar did not compile: finished (aborted), with the reason."""
+        if self.structured is None:
+            return []
+        failed = self.structured.take_failures()
+        finished = self.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+        return [self.output_of(r, [])._replace(error=failed[r.request_id]) for r in finished]
 
     @staticmethod
     def _new_request_data(request: Request) -> NewRequestData:

@@ -54,6 +54,7 @@ from chunkserve.entrypoints.server.protocol import (
 )
 from chunkserve.entrypoints.server.serving import Serving
 from chunkserve.entrypoints.server.stats_log import INTERVAL_S as STATS_INTERVAL_S, StatsLogger
+from chunkserve.entrypoints.server.tool_parsers import TOOL_PARSERS
 from chunkserve.entrypoints.server.trace import StepTraceWriter
 from chunkserve.errors import (
     EngineDeadError,
@@ -80,7 +81,9 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_names: list[str], 
     model_name = model_names[0]
     serving = Serving(engine, model_names, args.max_prompts_per_request, args.response_role,
                       args.enable_log_requests, args.max_log_len, args.return_tokens_as_token_ids,
-                      args.trust_request_chat_template, metrics=metrics)
+                      args.trust_request_chat_template, metrics=metrics,
+                      tool_parser=TOOL_PARSERS[args.tool_call_parser] if args.enable_auto_tool_choice else None,
+                      exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -40,6 +40,7 @@ _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 
                             240.0, 480.0, 960.0, 1920.0, 7680.0)
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+_GRAMMAR_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 # ours
 _STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
                  80.0, 160.0)
@@ -171,6 +172,12 @@ class EngineMetrics:
         self.step_decode_batch_size = histogram(
             "step_decode_batch_size", "Decode tokens per engine step (steps with any)", _TOKEN_BUCKETS)
         self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step", _STEP_BUCKETS)
+        self.grammar_compile = histogram(
+            "structured_output_compile_seconds", "Compile time of each structured-output grammar not in the cache "
+            "(on the engine core's grammar thread, off the step loop)", _GRAMMAR_BUCKETS)
+        self.grammar_mask = histogram(
+            "structured_output_mask_seconds", "Seconds a step spent filling grammar bitmasks (steps with any)",
+            _GRAMMAR_BUCKETS)
         error = Gauge("chunkserve:step_time_prediction_relative_error",
                       "|predicted - actual| / actual step time of the step-time model over recent steps, by quantile",
                       names + ["quantile"], registry=self.registry)
@@ -304,6 +311,10 @@ class EngineMetrics:
             self.comm_seconds.labels(**labels).inc(rank["comm_s"])
             self.rank_compute_seconds.labels(**labels).inc(rank["compute_s"])
         self.step_duration.observe(record.duration_s)
+        for seconds in record.grammar_compile_s:
+            self.grammar_compile.observe(seconds)
+        if record.grammar_mask_s:
+            self.grammar_mask.observe(record.grammar_mask_s)
         if record.num_prefill_tokens + record.num_decode_tokens:
             self.iteration_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
         if record.num_prefill_tokens:

@@ -6,7 +6,9 @@ offline API, and the input processor checks sizes against the server's limits.""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -22,6 +24,7 @@ from chunkserve.sampling_params import (
     BeamSearchParams,
     RequestOutputKind,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 logger = logging.getLogger(__name__)
@@ -47,18 +50,25 @@ def _absent(value: Any) -> bool:
 # Fields of OpenAI's and vLLM's requests that chunkserve cannot honour (yet): a 400 naming them,
 # unless the value asks for nothing (`tools: []`, `tool_choice: "none"`). vLLM answers 400 to
 # `suffix` too.
-_NO_TOOLS = "tool calling and structured outputs are not built yet"
+_CHAT_TOOLS = "tool calling is served on /v1/chat/completions"
+_FUNCTIONS = "OpenAI's deprecated functions and function_call fields are not supported: send tools and tool_choice"
+_REMOVED = "vLLM removed the guided_* fields in v0.12.0: send structured_outputs"
 REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "suffix": ("suffix is not currently supported (as in vLLM)", _absent),
-    "tools": (_NO_TOOLS, _absent),
-    "functions": (_NO_TOOLS, _absent),
-    "tool_choice": (_NO_TOOLS, lambda v: _absent(v) or v == "none"),
-    "function_call": (_NO_TOOLS, lambda v: _absent(v) or v == "none"),
-    "response_format": (_NO_TOOLS, lambda v: _absent(v) or v == {"type": "text"}),
-    "structured_outputs": (_NO_TOOLS, _absent),
-    "guided_json": (_NO_TOOLS, _absent), "guided_regex": (_NO_TOOLS, _absent),
-    "guided_choice": (_NO_TOOLS, _absent), "guided_grammar": (_NO_TOOLS, _absent),
-    "json_schema": (_NO_TOOLS, _absent), "regex": (_NO_TOOLS, _absent), "ebnf": (_NO_TOOLS, _absent),
+    "tools": (_CHAT_TOOLS, _absent),
+    "functions": (_FUNCTIONS, _absent),
+    "tool_choice": (_CHAT_TOOLS, lambda v: _absent(v) or v == "none"),
+    "function_call": (_FUNCTIONS, lambda v: _absent(v) or v == "none"),
+    # refused rather than ignored (as vLLM now does), so that an old client's constraint is not silently dropped
+    "guided_json": (f'{_REMOVED} {{"json": SCHEMA}} instead', _absent),
+    "guided_regex": (f'{_REMOVED} {{"regex": PATTERN}} instead', _absent),
+    "guided_choice": (f'{_REMOVED} {{"choice": [...]}} instead', _absent),
+    "guided_grammar": (f'{_REMOVED} {{"grammar": GRAMMAR}} instead', _absent),
+    "guided_whitespace_pattern": (f'{_REMOVED} {{..., "disable_any_whitespace": true}} for compact JSON', _absent),
+    "guided_decoding_backend": (f"{_REMOVED} and leave the backend out (llguidance here: --structured-outputs-config)",
+                                _absent),
+    "structural_tag": (f'{_REMOVED} {{"structural_tag": TEXT}} or response_format {{"type": "structural_tag", ...}}',
+                       _absent),
     "prompt_embeds": ("prompt embeddings are not supported: send text or token ids", _absent),
     "audio": ("audio output is not supported", _absent),
     "modalities": ("only text output is supported", lambda v: _absent(v) or v == ["text"]),
@@ -95,6 +105,133 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+# ----- structured outputs: every request form -> StructuredOutputsParams ---------------------------
+
+class JsonSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # (`schema` is a BaseModel attribute)
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format, and vLLM's structural_tag form of it (its other keys,
+    `structures` and `triggers`, are kept as the tag's JSON)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def params(self) -> StructuredOutputsParams | None:
+        """None for text. OpenAI's strict mode requires every object of the schema to close its
+        properties (additionalProperties false), so strict closes those that leave it unsaid
+        (vLLM ignores strict and leaves them open)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "structural_tag":
+            return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag",
+                                                                      **(self.model_extra or {})}))
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise InvalidRequestError('response_format of type json_schema needs json_schema: {"name": ..., '
+                                      '"schema": {...}}', "response_format")
+        return StructuredOutputsParams(json=self.json_schema.schema_,
+                                       disable_additional_properties=bool(self.json_schema.strict))
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs` request field: its StructuredOutputsParams' fields. An
+    unknown key is refused by name (it would otherwise be a constraint silently dropped)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # (`json` is a BaseModel attribute)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        if self.whitespace_pattern is not None:
+            raise InvalidRequestError("structured_outputs.whitespace_pattern is not supported: disable_any_whitespace "
+                                      "true gives compact JSON", "structured_outputs")
+        return StructuredOutputsParams(
+            json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar, json_object=self.json_object,
+            structural_tag=self.structural_tag, disable_any_whitespace=self.disable_any_whitespace,
+            disable_additional_properties=self.disable_additional_properties)
+
+
+# SGLang's fields (of /generate's sampling_params, and of its OpenAI bodies) -> StructuredOutputsParams' kinds
+SGLANG_STRUCTURED_FIELDS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar",
+                            "structural_tag": "structural_tag"}
+SGLANG_ANY_JSON = "$$ANY$$"  # SGLang's json_schema for any JSON value (the empty schema)
+
+
+def _sglang_params(body: BaseModel, name: str) -> StructuredOutputsParams:
+    """The structured outputs of SGLang's field `name` of `body`."""
+    value = getattr(body, name)
+    if name == "json_schema" and value == SGLANG_ANY_JSON:
+        value = "{}"
+    return StructuredOutputsParams(**{SGLANG_STRUCTURED_FIELDS[name]: value})
+
+
+def structured_outputs_form(body: BaseModel, forms: tuple[str, ...]) -> str | None:
+    """Which of the fields `forms` asks `body` for structured outputs (response_format text asks
+    for nothing): at most one, else a 400 naming the second."""
+    given = [name for name in forms if getattr(body, name) is not None
+             and not (name == "response_format" and body.response_format.type == "text")]
+    if len(given) > 1:
+        raise InvalidRequestError(f"{given[0]} and {given[1]} both ask for structured outputs: give one of "
+                                  f"{', '.join(forms)}", given[1])
+    return given[0] if given else None
+
+
+def structured_outputs_params(body: BaseModel, forms: tuple[str, ...]) -> StructuredOutputsParams | None:
+    """What `body` asks for with whichever of the fields `forms` it uses (None: nothing); an
+    error names the body's field."""
+    form = structured_outputs_form(body, forms)
+    try:
+        if form is None:
+            return None
+        if form in ("response_format", "structured_outputs"):
+            return getattr(body, form).params()
+        return _sglang_params(body, form)
+    except InvalidRequestError as error:
+        raise rename_error(error, structured_outputs_names(form)) from None
+
+
+def structured_outputs_names(form: str | None) -> dict[str, str]:
+    """How a body that asked with the field `form` names structured outputs' errors, which the
+    input processor and StructuredOutputsParams raise as `structured_outputs` (param) and
+    `structured_outputs.<kind>` (in the message): for the field_names of Serving._add_all."""
+    if form in (None, "structured_outputs"):
+        return {}
+    if form == "response_format":
+        return {"structured_outputs": form, "structured_outputs.json": "response_format.json_schema.schema"}
+    return {"structured_outputs": form, **{f"structured_outputs.{kind}": name
+                                           for name, kind in SGLANG_STRUCTURED_FIELDS.items()}}
+
+
+def rename_error(error: InvalidRequestError, names: dict[str, str]) -> InvalidRequestError:
+    """`error` with its field named as the body names it: `names` maps SamplingParams' names to
+    the body's (dotted ones, such as structured_outputs.json, rename that part of the message
+    first). The error itself where the body uses the same name."""
+    name = names.get(error.param)
+    if name is None:
+        return error
+    message = str(error)
+    for old in sorted((key for key in names if key == error.param or key.startswith(f"{error.param}.")),
+                      key=len, reverse=True):
+        message = re.sub(rf"(?<![\w.]){re.escape(old)}(?!\w)", names[old], message)
+    return InvalidRequestError(message, name)
+
+
 class _Bootstrap(_Body):
     """The router's pairing of a disaggregated request (SGLang's field names)."""
 
@@ -110,6 +247,9 @@ class _Bootstrap(_Body):
             raise InvalidRequestError("bootstrap_host, bootstrap_port and bootstrap_room go together",
                                       "bootstrap_room")
         return TransferParams(self.bootstrap_room, self.bootstrap_host, self.bootstrap_port)
+
+
+OPENAI_STRUCTURED_FORMS = ("response_format", "structured_outputs", "json_schema", "regex", "ebnf")
 
 
 class _OpenAISampling(_Bootstrap):
@@ -144,6 +284,12 @@ class _OpenAISampling(_Bootstrap):
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N" (default: the server's flag)
     use_beam_search: bool = False  # vLLM's: n is the beam width; the answer comes whole (no stream)
     length_penalty: float = 1.0  # beam search ranks by cumulative logprob / length ** length_penalty
+    # structured outputs, in OpenAI's, vLLM's or SGLang's form (one per request)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    json_schema: str | None = None  # SGLang's: a JSON schema's text
+    regex: str | None = None  # SGLang's
+    ebnf: str | None = None  # SGLang's: a grammar
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -151,6 +297,10 @@ class _OpenAISampling(_Bootstrap):
         if self.use_beam_search and self.stream:
             raise InvalidRequestError("use_beam_search does not stream here: send stream false (the beams are "
                                       "only known at the end)", "use_beam_search")
+        structured_outputs = structured_outputs_params(self, OPENAI_STRUCTURED_FORMS)
+        if self.use_beam_search and structured_outputs is not None:
+            raise InvalidRequestError("use_beam_search cannot be combined with structured outputs: its beams are not "
+                                      "constrained", "use_beam_search")
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
@@ -167,8 +317,12 @@ class _OpenAISampling(_Bootstrap):
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or [],
             include_stop_str_in_output=self.include_stop_str_in_output,
             truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.prompt_logprobs,
-            **given,
+            structured_outputs=structured_outputs, **given,
         )
+
+    def structured_outputs_names(self) -> dict[str, str]:
+        """The body's names for structured outputs' errors (Serving._add_all's field_names)."""
+        return structured_outputs_names(structured_outputs_form(self, OPENAI_STRUCTURED_FORMS))
 
     def beam_search_params(self, params: SamplingParams) -> BeamSearchParams:
         """use_beam_search (vLLM's to_beam_search_params): n beams; of `params` (what
@@ -200,6 +354,46 @@ class CompletionRequest(_OpenAISampling):
         return list(prompt)
 
 
+class FunctionDefinition(_Body):
+    """A function tool (OpenAI's): `parameters` is its arguments' JSON schema."""
+
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatCompletionTool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Annotated[str, Field(min_length=1)]
+
+
+class NamedToolChoice(_Body):
+    """tool_choice naming the function to call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = ""  # JSON text (OpenAI's), or the object itself
+
+
+class MessageToolCall(_Body):
+    """A call of an assistant message in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ContentPart(_Body):
     type: Literal["text"]
     text: str
@@ -208,12 +402,24 @@ class ContentPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (its content may then be null)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def as_template_message(self) -> dict[str, str]:
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it: content a string (null: empty), and the tool
+        fields only where given (the input processor turns calls' arguments into dicts)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class _ChatTemplateFields(_Body):
@@ -224,6 +430,7 @@ class _ChatTemplateFields(_Body):
     chat_template: str | None = None  # in place of the model's; needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the template, over the fields above
     documents: list[dict[str, str]] | None = None  # for templates that render RAG documents
+    tools: list[ChatCompletionTool] | None = None  # for templates that render function tools
 
     @property
     def has_request_template(self) -> bool:
@@ -235,7 +442,8 @@ class _ChatTemplateFields(_Body):
         return {"add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message, "chat_template": self.chat_template,
                 "chat_template_kwargs": self.chat_template_kwargs, "documents": self.documents,
-                "add_special_tokens": add_special_tokens}
+                "add_special_tokens": add_special_tokens,
+                "tools": [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None}
 
 
 class ChatCompletionRequest(_OpenAISampling, _ChatTemplateFields):
@@ -245,6 +453,8 @@ class ChatCompletionRequest(_OpenAISampling, _ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_special_tokens: bool = False  # BOS and the like on top of the template's own (vLLM's default: no)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none" (vLLM's)
+    parallel_tool_calls: bool | None = None  # false: only the first call is kept
 
     def chat_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -259,7 +469,7 @@ GENERATE_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"
                   "include_stop_str_in_output": "no_stop_trim", "logprobs": "top_logprobs_num",
                   "prompt_logprobs": "logprob_start_len"}
 # SGLang's /generate fields (of the body or its sampling_params) that ask for what chunkserve cannot do: a 400
-# naming them unless the value asks for nothing. REFUSED_FIELDS applies too (lora_path, json_schema, regex, ebnf).
+# naming them unless the value asks for nothing. REFUSED_FIELDS applies too (lora_path).
 _NO_MULTIMODAL = "multimodal inputs are not supported"
 GENERATE_REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "input_embeds": ("prompt embeddings are not supported: send text or input_ids", _absent),
@@ -272,8 +482,9 @@ GENERATE_REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "return_routed_experts": ("routed experts are not returned", _absent),
     "token_ids_logprob": ("logprobs of chosen token ids are not supported: use top_logprobs_num", _absent),
     "session_params": ("sessions are not supported", _absent),
-    "structural_tag": (_NO_TOOLS, _absent),
     "stop_regex": ("use stop strings", _absent),
+    # structured outputs belong in sampling_params (SGLang's place): at the top they would be dropped unseen
+    **{name: ("it goes in sampling_params", _absent) for name in ("json_schema", "regex", "ebnf", "structural_tag")},
 }
 
 
@@ -308,6 +519,12 @@ class GenerateSamplingParams(_GenerateBody):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1  # samples per prompt, sharing the prompt's KV blocks
     no_stop_trim: bool = False  # keep the matched stop string (or stop token) in the output
     logit_bias: LogitBias | None = None  # token id (as a string) -> bias
+    # structured outputs (one of them): a JSON schema's text ("$$ANY$$": any JSON), a regex, a grammar
+    # (GBNF/EBNF, or Lark), vLLM's structural tag JSON
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     def to_sampling_params(self, stream: bool, defaults: dict[str, Any] | None = None, logprobs: int | None = None,
                            prompt_logprobs: int | None = None) -> SamplingParams:
@@ -324,7 +541,12 @@ class GenerateSamplingParams(_GenerateBody):
             seed=self.sampling_seed, output_kind=output_kind(stream), include_stop_str_in_output=self.no_stop_trim,
             logit_bias=None if self.logit_bias is None else {int(t): b for t, b in self.logit_bias.items()},
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs_params(self, tuple(SGLANG_STRUCTURED_FIELDS)),
         )
+
+    def structured_outputs_names(self) -> dict[str, str]:
+        """The body's names for structured outputs' errors (Serving._add_all's field_names)."""
+        return structured_outputs_names(structured_outputs_form(self, tuple(SGLANG_STRUCTURED_FIELDS)))
 
 
 RequestId = Annotated[str, Field(min_length=1, max_length=256)]

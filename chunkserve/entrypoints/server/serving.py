@@ -36,7 +36,10 @@ from chunkserve.entrypoints.server.protocol import (
     TokenIds,
     TokenizeRequest,
     error_body,
+    rename_error,
 )
+from chunkserve.entrypoints.server.tool_calls import CallStream, ChatToolCalls, Delta
+from chunkserve.entrypoints.server.tool_parsers import ToolParser
 from chunkserve.errors import EngineDeadError, InvalidRequestError
 from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -66,10 +69,13 @@ class Serving:
     def __init__(self, engine: AsyncLLM, model_names: list[str], max_prompts_per_request: int,
                  response_role: str = "assistant", log_requests: bool = False, max_log_len: int | None = None,
                  return_tokens_as_token_ids: bool = False, trust_request_chat_template: bool = False,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None, tool_parser: type[ToolParser] | None = None,
+                 exclude_tools_when_tool_choice_none: bool = False) -> None:
         """`model_names`: what a request may name (--served-model-name); responses name the first.
         `trust_request_chat_template`: whether a request may bring its own chat template.
-        `metrics`: told which engine requests are the samples of one prompt."""
+        `metrics`: told which engine requests are the samples of one prompt. `tool_parser`: how
+        tool_choice "auto" reads calls from the text (--tool-call-parser), None without
+        --enable-auto-tool-choice. `exclude_tools_when_tool_choice_none`: vLLM's flag of that name."""
         self.engine = engine
         self.metrics = metrics
         self.model_names = model_names
@@ -80,6 +86,8 @@ class Serving:
         self.max_log_len = max_log_len
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # the server's default (a request may say)
         self.trust_request_chat_template = trust_request_chat_template
+        self.tool_parser = tool_parser
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         self.tokenizer = engine.tokenizer
         self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: self.tokenizer.decode([t]))
 
@@ -158,7 +166,7 @@ class Serving:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = [] if body.use_beam_search else await self._add_all(
             request_id, prompts, params, body.priority, body.cache_salt, kv_transfer_params=body.transfer_params(),
-            n=body.n, add_special_tokens=body.add_special_tokens)
+            n=body.n, add_special_tokens=body.add_special_tokens, field_names=body.structured_outputs_names())
         head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         echoes = [self._prompt_text(p) if body.echo else "" for p in prompts for _ in range(body.n)]
 
@@ -208,14 +216,19 @@ class Serving:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         self.check_request(body)
         self._check_template_trust(body)
+        calls = ChatToolCalls(body, self.tool_parser)
         messages = [m.as_template_message() for m in body.messages]
-        params = body.chat_sampling_params(self.engine.generation_defaults)
-        prompt = await self.engine.apply_chat_template(messages, **body.template_options(body.add_special_tokens))
+        params = calls.sampling_params(body.chat_sampling_params(self.engine.generation_defaults))
+        options = body.template_options(body.add_special_tokens)
+        if calls.choice == "none" and self.exclude_tools_when_tool_choice_none:
+            options["tools"] = None
+        prompt = await self.engine.apply_chat_template(messages, **options)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         streams = [] if body.use_beam_search else await self._add_all(
             request_id, [prompt], params, body.priority, body.cache_salt,
-            {"max_tokens": given, "logprobs": "top_logprobs"}, body.transfer_params(), body.n)
+            {"max_tokens": given, "logprobs": "top_logprobs", **body.structured_outputs_names(),
+             **calls.field_names()}, body.transfer_params(), body.n)
         created = int(time.time())
         as_ids = self._tokens_as_ids(body)
 
@@ -225,13 +238,14 @@ class Serving:
         if not body.stream:
             outputs = await _unless_disconnected(raw, self._beam_search(request_id, [prompt], body, params)
                                                  if body.use_beam_search else _collect(streams))
+            answers = [(o.outputs[0], *calls.message(o.outputs[0].text, o.outputs[0].finish_reason)) for o in outputs]
             return JSONResponse({
                 "id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": [{
-                    "index": index, "message": {"role": self.response_role, "content": completion.text},
+                    "index": index, "message": {"role": self.response_role, **message},
                     "logprobs": logprobs_of(completion.logprobs),
-                    "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                } for index, completion in enumerate(o.outputs[0] for o in outputs)],
+                    "finish_reason": finish_reason, "stop_reason": completion.stop_reason,
+                } for index, (completion, message, finish_reason) in enumerate(answers)],
                 "usage": usage(outputs, n=body.n),
                 **({"prompt_logprobs": self._vllm_prompt_logprobs(outputs[0].prompt_logprobs)}
                    if body.prompt_logprobs is not None and outputs[0].prompt_logprobs is not None else {}),
@@ -247,14 +261,18 @@ class Serving:
                 ]})
             finals: dict[int, RequestOutput] = {}
             generated = 0
+            readers = [calls.stream() for _ in range(body.n)] if calls.active else None
             async for index, output in _merge(streams):
                 completion = output.outputs[0]
                 generated += len(completion.new_token_ids)
                 logprobs = logprobs_of(completion.new_logprobs if params.logprobs is not None else None)
-                yield sse({**head, "choices": [{
+                choices = [{
                     "index": index, "delta": {"content": completion.text_delta}, "logprobs": logprobs,
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                }]})
+                }] if readers is None else _tool_call_choices(readers[index], index, completion, output.finished,
+                                                              logprobs)
+                for choice in choices:
+                    yield sse({**head, "choices": [choice]})
                 if output.finished:
                     finals[index] = output
             if body.include_usage and finals:
@@ -297,6 +315,7 @@ class Serving:
                 params = given.to_sampling_params(body.stream, self.engine.generation_defaults, top,
                                                   None if logprobs is None or logprobs.start < 0 else top)
                 streams += await self._add_all(request_id, [prompt], params, 0, body.cache_salt,
+                                               field_names=given.structured_outputs_names(),
                                                kv_transfer_params=transfer, n=n)
         except BaseException as error:
             for stream in streams:
@@ -450,10 +469,10 @@ class Serving:
                                                              add_special_tokens=add_special_tokens))
         except InvalidRequestError as error:
             self._abort_added(streams, request_ids)
-            name = (field_names or {}).get(error.param)
-            if name is None:
+            renamed = rename_error(error, field_names or {})
+            if renamed is error:
                 raise
-            raise InvalidRequestError(str(error).replace(error.param, name), name) from None
+            raise renamed from None
         except BaseException:
             self._abort_added(streams, request_ids)
             raise
@@ -526,6 +545,24 @@ class Serving:
             return {"token": text, "logprob": logprob, "bytes": list(self._token_text(token_id).encode())}
 
         return {**entry(record.token_id, record.logprob), "top_logprobs": [entry(t, lp) for t, lp in record.top]}
+
+
+def _tool_call_choices(reader: CallStream, index: int, completion: Any, finished: bool,
+                       logprobs: Event | None) -> list[Event]:
+    """A stream's choices for one output of a request with tools: its text read for calls
+    (content and tool_calls deltas; none while the reader holds text back), the output's
+    logprobs on the first, its finish_reason on the last."""
+    deltas: list[Delta] = reader.feed(completion.text_delta)
+    finish_reason = None
+    if finished:
+        rest, finish_reason = reader.finish(completion.finish_reason)
+        deltas = deltas + rest or [{}]
+    choices = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None,
+                "stop_reason": completion.stop_reason} for delta in deltas]
+    if choices:
+        choices[0]["logprobs"] = logprobs
+        choices[-1]["finish_reason"] = finish_reason
+    return choices
 
 
 def _sglang_finish_reason(completion: Any, num_tokens: int) -> Event:

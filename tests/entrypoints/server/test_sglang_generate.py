@@ -158,7 +158,7 @@ def test_sampling_params_extras(http):
     ({"return_hidden_states": True}, "return_hidden_states"),
     ({"custom_logit_processor": "{}"}, "custom_logit_processor"),
     ({"token_ids_logprob": [1, 2]}, "token_ids_logprob"),
-    ({"sampling_params": {**GREEDY, "json_schema": "{}"}}, "json_schema"),
+    ({"sampling_params": {**GREEDY, "json_schema": "{not json"}}, "json_schema"),
     ({"sampling_params": {**GREEDY, "stop_regex": "a+"}}, "stop_regex"),
     ({"text": ["x"] * (MAX_PROMPTS + 1)}, "text"),
     ({"input_ids": [[1], [2]], "sampling_params": {**GREEDY, "n": MAX_PROMPTS // 2 + 1}}, "input_ids"),

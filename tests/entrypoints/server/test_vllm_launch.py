@@ -113,7 +113,7 @@ def test_a_port_in_use_fails_before_the_model_loads():
 @pytest.mark.parametrize("field,value,message", [
     ("suffix", "!", "suffix is not currently supported"),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool calling"),
-    ("response_format", {"type": "json_object"}, "structured outputs"),
+    ("guided_json", {"type": "object"}, "structured_outputs"),
     ("priority", 1, "--scheduling-policy priority"),
 ])
 def test_fields_that_cannot_be_honoured_are_refused_by_name(vllm_server, field, value, message):
