@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
 import pytest
 
@@ -13,7 +14,7 @@ from chunkserve.config.engine import EngineArgs
 from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.errors import InvalidRequestError
-from chunkserve.sampling_params import SamplingParams
+from chunkserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
 
@@ -240,3 +241,14 @@ def test_export_errors_name_the_problem(tiny_model_dir):
         llm.import_request(llm.export_request("r", "copy"))
     llm.abort_request("r")
     assert_idle(llm)
+
+
+def test_a_constrained_request_resumes_inside_its_grammar(tiny_model_dir):
+    """Its grammar is rebuilt on import from the output so far: every resumed output is the
+    uninterrupted one, and it matches the regex."""
+    email = r"[a-z]{3,12}@[a-z]{2,8}\.org"
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=email))
+    reference, resumed = exports_at_every_step(tiny_model_dir, prompt_of(20), params, 64)
+    assert re.fullmatch(email, reference.outputs[0].text) and reference.outputs[0].finish_reason == "stop"
+    assert len(resumed) > 3
+    assert all(r.outputs[0].token_ids == reference.outputs[0].token_ids for r in resumed)

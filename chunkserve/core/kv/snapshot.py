@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from chunkserve.core.kv.kv_cache_manager import hash_block, root_hash
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.errors import InvalidRequestError
-from chunkserve.sampling_params import RequestOutputKind, SamplingParams
+from chunkserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAGIC = b"CHUNKSNAP"
 FORMAT_VERSION = 1
@@ -207,4 +207,6 @@ def _params_from_dict(raw: dict) -> SamplingParams:
     raw["output_kind"] = RequestOutputKind(raw["output_kind"])
     if raw.get("logit_bias") is not None:
         raw["logit_bias"] = {int(token): float(bias) for token, bias in raw["logit_bias"]}
+    if raw.get("structured_outputs") is not None:
+        raw["structured_outputs"] = StructuredOutputsParams(**raw["structured_outputs"])
     return SamplingParams(**raw)
