@@ -89,7 +89,7 @@ def test_greedy_constrained_output_is_the_same_under_every_chunking_and_beside_o
     reference = LLM(max_num_batched_tokens=512, kv_cache_memory_gb=0.25)
     schema_prompt = prompt(reference, "Describe a fictional person as a JSON object. " * 6)  # a few chunks at 16
     free_prompt = prompt(reference, "Write a short story about a lighthouse keeper.")
-    free = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    free = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)  # outlasts the constrained answer
     alone = reference.generate([free_prompt], free, use_tqdm=False)[0].outputs[0].token_ids
     expected = None
     for args in ({"max_num_batched_tokens": 512}, {"max_num_batched_tokens": 16},
@@ -104,9 +104,8 @@ def test_greedy_constrained_output_is_the_same_under_every_chunking_and_beside_o
         expected = expected or got
         assert got == expected, args
         assert outputs[1].outputs[0].token_ids == alone, args
-        records = llm.get_step_records()
-        assert any(r.num_requests == 2 for r in records), (args, [(r.num_requests, r.num_prefill_tokens,
-                                                                    r.num_decode_tokens) for r in records])
+        if args["max_num_batched_tokens"] > 16:  # (at 16, a prompt chunk, whole blocks of 16, waits out any decode)
+            assert any(r.num_requests == 2 for r in llm.get_step_records()), f"{args}: never in one step"
 
 
 def test_a_long_compile_holds_up_no_other_requests_steps(llm):
