@@ -35,9 +35,12 @@ def tiny_hf_config(arch: str):
 @pytest.fixture(scope="session", autouse=True)
 def load_each_model_once():
     """Engines built in this test process share each model's weights: the first engine of a
-    (model, dtype, length) loads them, later ones get a copy of the module tree over the same
-    tensors (their own ops and packed weights, which the runner sets)."""
+    (model, dtype) loads them, later ones get a copy of the module tree over the same tensors
+    (their own ops and packed weights, which the runner sets, and their own rotary tables, the
+    only part that depends on the length). One copy per length would hold a gigabyte more for
+    every few tests, more than CI's memory beside the servers of the HTTP tests."""
     from chunkserve.model import loader
+    from chunkserve.model.llama import RotaryEmbedding
     from chunkserve.worker import worker
 
     loaded: dict[tuple, torch.nn.Module] = {}
@@ -45,10 +48,12 @@ def load_each_model_once():
     def load_model(source, config, dtype, max_positions, parallel=None):
         if parallel is not None and parallel.tp_size * parallel.pp_size > 1:  # a shard: not shared
             return loader.load_model(source, config, dtype, max_positions, parallel)
-        key = (source.path, dtype, max_positions)
+        key = (source.path, dtype)
         if key not in loaded:
             loaded[key] = loader.load_model(source, config, dtype, max_positions)
-        return _sharing_weights(loaded[key])
+        model = _sharing_weights(loaded[key])
+        model.rotary = RotaryEmbedding(config, max_positions)
+        return model
 
     patch = pytest.MonkeyPatch()
     patch.setattr(worker, "load_model", load_model)

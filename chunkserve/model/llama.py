@@ -165,13 +165,19 @@ class LlamaModel(nn.Module, UsesOps):
         self.requires_grad_(False)
 
     def set_ops(self, ops: ModelOps) -> None:
-        """Compute every layer (and the LM head) through `ops`; call it after the weights are
-        loaded, since the layers' weights are packed for `ops` here."""
+        """Compute every layer (and the LM head) through `ops`; call it once, after the weights
+        are loaded, since the layers' weights are packed for `ops` here. A layer with both a
+        packed weight and GGUF blocks never reads its float32 weight again (`ModelOps.linear`
+        takes the packed one from ONEDNN_MIN_ROWS rows, the blocks below), so that copy is
+        dropped: it is a third of a GGUF model's resident memory. What is left in its place is
+        a meta tensor of the same shape, which fails loudly if anything still reads it."""
         for module in self.modules():
             if isinstance(module, UsesOps):
                 module.ops = ops
             if isinstance(module, Linear) and module is not self.lm_head:  # the head goes through ops.logits
                 module.packed = ops.pack_linear_weight(module.weight)
+                if module.packed is not None and module.blocks is not None:
+                    module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
