@@ -7,8 +7,9 @@ template applied by the server), greedy (temperature 0), with a system message "
 assistant. Session <tag>." whose tag is the run's (so no run reads another's prompt from a
 prefix cache, while every run asks the same questions).
 
-Compile, per schema (`COMPILE_CASES`: any JSON object, which is also a fresh server's first
-grammar, so its cold time includes loading the vocabulary into the grammar library; the small,
+Compile, per schema (`COMPILE_CASES`: any JSON object, a fresh server's first grammar (a
+chunkserve engine loads the vocabulary into the grammar library right after start, before
+this request; vLLM when the first grammar arrives); the small,
 nested (31 properties) and tool-call schemas and the email regex of benchmarks/grammar_backends.py;
 the person schema of the decode runs): on each fresh server, before anything else constrained,
 each case's question is sent three times, one at a time, --compile-max-tokens (8) tokens each,
@@ -50,6 +51,12 @@ step records a few µs, the timed loop over the step's rows, constrained or not)
 step time (sum of mask seconds / sum of `duration_s`, which spans scheduling, the forward pass,
 sampling and the output update), the step time p50, compiles during the run (expected 0), and the
 `chunkserve:structured_output_mask_seconds` histogram's mean over the run as a cross-check.
+
+Sampler (in this process, before any server): the step records time the scheduler filling the
+bitmasks; applying them is the sampler's, inside the step. `sample_runs` on --streams greedy rows
+of random logits over the default model's 49,152 tokens with 0, 1 and all rows masked (each mask
+a random quarter of the vocabulary), the cases alternating call by call, --sampler-iterations
+calls each: the median's growth over no mask is the apply cost per step.
 
 Servers: chunkserve (`chunkserve serve --max-num-batched-tokens 512 --admin-api-key ...`,
 OMP_NUM_THREADS unset, the default model); vLLM's CPU build through /work/peers/start_vllm_spec.sh
@@ -98,6 +105,7 @@ VLLM_START_TIMEOUT_S = 900
 STOP_TIMEOUT_S = 60
 PORT_FREE_TIMEOUT_S = 60
 REQUEST_TIMEOUT_S = 600
+SMOLLM2_VOCAB = 49152  # the default model's vocabulary: the sampler measurement's row width
 STEPS_FETCHED = 50_000  # /debug/steps?last=: more than a server's whole life here
 
 PERSON_SCHEMA = {  # the decode runs' schema: 8 properties, every one required, closed
@@ -694,6 +702,53 @@ def plan(args: argparse.Namespace) -> list[tuple[int, str, list[int]]]:
     return out
 
 
+def sampler_mask_cost(rows: int, vocab: int, iterations: int, seed: int) -> list[dict]:
+    """The other half of the mask's cost, in this process: the sampler applying the bitmasks
+    (`sample_runs` with `bitmasks`, greedy, `rows` rows of random float32 logits over `vocab`
+    tokens) with 0, 1 and `rows` rows masked, each mask allowing a random quarter of the
+    vocabulary. The three cases alternate call by call; medians per case."""
+    import torch
+
+    from chunkserve.sampling_params import SamplingParams
+    from chunkserve.worker.sampler import SamplingState, sample_runs
+
+    generator = np.random.default_rng(seed)
+    words = -(-vocab // 32)
+
+    def bitmask() -> np.ndarray:
+        allowed = generator.random(words * 32) < 0.25
+        allowed[vocab:] = False
+        return np.packbits(allowed, bitorder="little").view("<i4").reshape(1, words).copy()
+
+    logits = torch.from_numpy(generator.standard_normal((rows, vocab), dtype=np.float32))
+    states = [SamplingState(SamplingParams(temperature=0.0), [1], 1, None, None) for _ in range(rows)]
+    drafts = [[] for _ in range(rows)]
+    masks = [bitmask() for _ in range(rows)]
+    default = torch.Generator().manual_seed(seed)
+    cases = sorted({0, 1, rows})
+    times: dict[int, list[float]] = {k: [] for k in cases}
+    for _ in range(iterations):
+        for k in cases:
+            bitmasks = [masks[i] if i < k else None for i in range(rows)] if k else None
+            batch = logits.clone()
+            start = time.perf_counter()
+            sample_runs(batch, states, drafts, default, bitmasks)
+            times[k].append(time.perf_counter() - start)
+    base = statistics.median(times[0])
+    return [{"masked_rows": k, "rows": rows, "vocab": vocab, "median_ms": statistics.median(times[k]) * 1e3,
+             "p99_ms": float(np.percentile(times[k], 99)) * 1e3,
+             "over_unmasked_ms": (statistics.median(times[k]) - base) * 1e3} for k in cases]
+
+
+def print_sampler_table(rows: list[dict]) -> None:
+    print(f"\nsampler, bitmasks applied (in process; {rows[0]['rows']} greedy rows over {rows[0]['vocab']} tokens, "
+          "medians of alternating calls)\n")
+    print("| masked rows | sample_runs ms p50 | p99 | over no mask, ms |")
+    print("|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['masked_rows']} | {row['median_ms']:.3f} | {row['p99_ms']:.3f} | {row['over_unmasked_ms']:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
@@ -713,6 +768,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="the servers' log (default: a temp dir)")
     parser.add_argument("--save-requests", action="store_true", help="keep every request (times, text) in --out")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--sampler-iterations", type=int, default=400,
+                        help="calls per case of the in-process sampler measurement (0 skips it)")
     args = parser.parse_args()
     args.systems = csv_list(args.systems)
     args.constrained = [int(k) for k in csv_list(args.constrained)]
@@ -735,6 +792,8 @@ def main() -> None:
     print(f"{host['cpu']}, {host['cpus']} cores, AVX-512: {host['avx512_flags'] or 'none'}, commit {host['commit']}; "
           f"server logs in {log_path}", file=sys.stderr)
 
+    sampler_rows = sampler_mask_cost(args.streams, SMOLLM2_VOCAB, args.sampler_iterations, args.seed) \
+        if args.sampler_iterations else []
     atexit.register(stop_all)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally below
     qs = questions(args)
@@ -808,6 +867,8 @@ def main() -> None:
           f"--max-num-batched-tokens {args.max_num_batched_tokens}")
     for note in notes:
         print(f"note: {note}")
+    if sampler_rows:
+        print_sampler_table(sampler_rows)
     print_compile_table(compiles, systems)
     firsts = {system: med(r["ttft_ms"] for r in compiles if r["system"] == system and r["case"] == "first request")
               for system in systems}
@@ -836,7 +897,8 @@ def main() -> None:
         config["person_schema"] = PERSON_SCHEMA
         config["compile_cases"] = [{"name": n, "form": f, "question": q} for n, f, q in COMPILE_CASES]
         with open(args.out, "w") as f:
-            json.dump({"machine": host, "config": config, "notes": notes, "compiles": compiles, "results": results,
+            json.dump({"machine": host, "config": config, "notes": notes, "sampler": sampler_rows,
+                       "compiles": compiles, "results": results,
                        "servers": servers, "requests": requests, "problems": problems, "interrupted": interrupted},
                       f, indent=1)
         print(f"\nwrote {args.out}", file=sys.stderr)

@@ -174,6 +174,7 @@ def run_engine_process(args: EngineArgs, max_waiting_requests: int | None, comma
     threading.Thread(target=_receive_commands, args=(commands_conn, commands), daemon=True,
                      name="chunkserve-commands").start()
     events_conn.send(Ready(info))
+    core.structured.prepare()  # this process has no tokenizer yet: the first grammar would load it
     try:
         EngineCoreLoop(core, events_conn.send, max_waiting_requests).run(commands)
     finally:

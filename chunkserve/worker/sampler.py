@@ -139,12 +139,17 @@ def sample_runs(logits: torch.Tensor, states: list[SamplingState], drafts: list[
 
 def _mask_grammar(logits: torch.Tensor, row_masks: list[np.ndarray | None]) -> None:
     """Every token a row's grammar bitmask leaves out to -inf (bit t of word t // 32: token t
-    allowed); rows without a mask are left alone. In place."""
+    allowed); rows without a mask are left alone. In place, row by row unless every row has a
+    mask: gathering the masked rows and writing them back cost 7x more at 8 rows of 49,152."""
     rows = [row for row, mask in enumerate(row_masks) if mask is not None]
     packed = np.ascontiguousarray(np.stack([row_masks[row] for row in rows]).astype("<i4", copy=False))
     allowed = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
-    index = torch.tensor(rows)
-    logits[index] = logits[index].masked_fill(torch.from_numpy(allowed) == 0, float("-inf"))
+    refused = torch.from_numpy(allowed == 0)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(refused, float("-inf"))
+        return
+    for index, row in enumerate(rows):
+        logits[row].masked_fill_(refused[index], float("-inf"))
 
 
 def _mask_banned(logits: torch.Tensor, states: list[SamplingState]) -> None:

@@ -7,6 +7,7 @@ into the step loop."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -118,3 +119,28 @@ def test_invalid_grammars_are_refused_by_name_before_the_engine(params, message)
 def test_params_take_exactly_one_well_formed_constraint(fields):
     with pytest.raises(InvalidRequestError):
         StructuredOutputsParams(**fields)
+
+
+def test_prepare_loads_the_vocabulary_once_before_the_first_grammar(tokenizer):
+    """A server's engine core loads the vocabulary as soon as it is up, so its first grammar
+    only compiles; the tokenizer is loaded once, on the compile thread."""
+    import threading
+
+    loads = []
+
+    def factory():
+        loads.append(threading.current_thread().name)
+        return tokenizer
+
+    manager = StructuredOutputManager(factory, VOCAB)
+    try:
+        manager.prepare()
+        deadline = time.monotonic() + 60
+        while not loads and time.monotonic() < deadline:  # before any grammar is asked for
+            time.sleep(0.01)
+        assert len(loads) == 1 and loads[0].startswith("chunkserve-grammar")
+        manager.add("r", StructuredOutputsParams(choice=["yes", "no"]))
+        ready(manager, "r")
+        assert len(loads) == 1
+    finally:
+        manager.shutdown()

@@ -59,6 +59,12 @@ class StructuredOutputManager:
         frontend's, which from a GGUF file takes seconds to build)."""
         self._tokenizer_factory = lambda: tokenizer
 
+    def prepare(self) -> None:
+        """Load the vocabulary into the grammar library now, on the compile thread, so that the
+        first constrained request waits for its grammar only (about 2 s less here, and 85 MB
+        more from the start)."""
+        self._pool.submit(self._tokenizer)
+
     # ----- requests -------------------------------------------------------------------------
 
     def add(self, request_id: str, params: StructuredOutputsParams, replay: list[int] = ()) -> None:
