@@ -92,3 +92,21 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
         load_model_config(resolve_model(str(tmp_path)))
+
+
+def test_with_the_cpp_ops_a_gguf_linear_keeps_its_blocks_and_packed_weight_only(cpp_ops, hf_default_model):
+    """The float32 copy of a layer that has both GGUF blocks and a oneDNN-packed weight is never
+    read, so it is dropped (a third of the resident model); the logits still match transformers,
+    in prompt chunks (packed) and decode rows (blocks)."""
+    source = resolve_model(None)
+    config = load_model_config(source)
+    model = load_model(source, config, "float32", 1024)
+    runner = PagedRunner(model, config, cpp_ops=cpp_ops)
+    linears = [m for m in model.layers.modules() if hasattr(m, "packed")]
+    assert linears and all(m.weight.is_meta for m in linears if m.packed is not None and m.blocks is not None)
+    assert any(m.packed is not None and m.blocks is not None for m in linears)
+    assert not model.embed_tokens.weight.is_meta  # the tied head reads it
+    prompt = np.random.default_rng(1).integers(0, config.vocab_size, 60).tolist()
+    runner.add("a", prompt)
+    got = torch.cat([runner.step({"a": 58})["a"], runner.step({"a": 1})["a"], runner.step({"a": 1})["a"]])
+    torch.testing.assert_close(got, reference_logits(hf_default_model, prompt), atol=1e-4, rtol=1e-4)
