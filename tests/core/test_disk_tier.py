@@ -6,7 +6,6 @@ the KV its position needs fails the run."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import random
@@ -16,12 +15,26 @@ import pytest
 
 from chunkserve.config import EngineArgs
 from chunkserve.core.kv.disk_store import HEADER, TMP_SUFFIX, BlockFiles
-from chunkserve.core.kv.disk_tier import DiskTierMetadata, DiskTierOutput, DiskTierScheduler, LoadReport
+from chunkserve.core.kv.disk_tier import (
+    DiskTierMetadata,
+    DiskTierOutput,
+    DiskTierScheduler,
+    LoadReport,
+)
 from chunkserve.core.kv.layout import KVLayout, ModelFingerprint
 from chunkserve.core.request import RequestStatus
 from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from chunkserve.errors import InvalidRequestError
-from tests.core.test_scheduler import BLOCK, FakeRunner, assert_pool_free, make_request, make_scheduler, run
+from tests.core.support import (
+    BLOCK,
+    FakeRunner,
+    assert_pool_free,
+    forge,
+    make_request,
+    make_scheduler,
+    run,
+    some_hash,
+)
 
 LAYOUT = KVLayout("float32", num_layers=1, num_kv_heads=1, head_dim=128, block_size=BLOCK)  # 4 KiB payloads
 FINGERPRINT = ModelFingerprint("w" * 64, "t" * 64, LAYOUT)
@@ -29,10 +42,6 @@ FINGERPRINT = ModelFingerprint("w" * 64, "t" * 64, LAYOUT)
 
 def block_files(tmp_path, fingerprint: ModelFingerprint = FINGERPRINT) -> BlockFiles:
     return BlockFiles(str(tmp_path / "hicache"), fingerprint)
-
-
-def some_hash(i: int) -> bytes:
-    return zlib.crc32(str(i).encode()).to_bytes(4, "little") * 8
 
 
 def some_payload(seed: int) -> bytes:
@@ -53,34 +62,6 @@ def test_a_block_round_trips_byte_identical(tmp_path):
     result = files.read(some_hash(1))
     assert result.ok and bytes(result.payload) == payload
     assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # no temporary file left
-
-
-def forge(files: BlockFiles, block_hash: bytes, kind: str) -> None:
-    """Damage `block_hash`'s file as `kind` says."""
-    path = files.path(block_hash)
-    with open(path, "rb") as f:
-        data = bytearray(f.read())
-    payload = bytes(data[HEADER.size:])
-    if kind == "truncated":
-        data = data[: len(data) - 100]
-    elif kind == "flipped_payload_byte":
-        data[HEADER.size + 1234] ^= 0x01
-    elif kind == "wrong_fingerprint":  # another model's weights wrote it
-        other = dataclasses.replace(files.fingerprint, weights_hash="x" * 64).digest()
-        data[: HEADER.size] = files.header(block_hash, zlib.crc32(payload), digest=other)
-    elif kind == "wrong_block_size":
-        layout = dataclasses.replace(files.layout, block_size=files.layout.block_size * 2)
-        data[: HEADER.size] = files.header(block_hash, zlib.crc32(payload), layout=layout)
-    elif kind == "bad_magic":
-        data[:8] = b"NOTKVBLK"
-    elif kind == "another_blocks_file":
-        data[: HEADER.size] = files.header(some_hash(999), zlib.crc32(payload))
-    elif kind == "longer":
-        data += b"\0" * 16
-    else:
-        raise ValueError(kind)
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 CORRUPTIONS = ["truncated", "flipped_payload_byte", "wrong_fingerprint", "wrong_block_size", "bad_magic",

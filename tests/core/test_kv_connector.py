@@ -7,7 +7,14 @@ from __future__ import annotations
 from chunkserve.core.kv_connector import KVConnectorScheduler, NoOpConnector
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from tests.core.test_scheduler import BLOCK, FakeRunner, assert_pool_free, make_request, make_scheduler, run
+from tests.core.support import (
+    BLOCK,
+    FakeRunner,
+    assert_pool_free,
+    make_request,
+    make_scheduler,
+    run,
+)
 
 
 class FakeRemoteConnector(KVConnectorScheduler):

@@ -11,8 +11,14 @@ import pytest
 
 from chunkserve.core.request import RequestStatus
 from chunkserve.sampling_params import SamplingParams
-from tests.core.test_prefix_caching import assert_references_match_tables
-from tests.core.test_scheduler import EOS, FakeRunner, make_request, make_scheduler, run
+from tests.core.support import (
+    EOS,
+    FakeRunner,
+    assert_references_match_tables,
+    make_request,
+    make_scheduler,
+    run,
+)
 
 
 def workload(seed: int, shared_prefix: bool = False) -> list:

@@ -12,7 +12,13 @@ from collections import deque
 
 from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.sched.scheduler import Scheduler
-from tests.core.test_scheduler import FakeRunner, assert_pool_free, make_request, make_scheduler, run
+from tests.core.support import (
+    FakeRunner,
+    assert_pool_free,
+    make_request,
+    make_scheduler,
+    run,
+)
 
 
 class TokensFromStepsRunner(FakeRunner):

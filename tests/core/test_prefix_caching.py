@@ -12,7 +12,14 @@ import pytest
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.scheduler import Scheduler
 from chunkserve.sampling_params import SamplingParams
-from tests.core.test_scheduler import BLOCK, EOS, FakeRunner, assert_pool_free, make_scheduler, run
+from tests.core.support import (
+    EOS,
+    FakeRunner,
+    assert_pool_free,
+    assert_references_match_tables,
+    make_scheduler,
+    run,
+)
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int = 4, priority: int = 0) -> Request:
@@ -28,23 +35,6 @@ def tokens(seed: int, length: int) -> list[int]:
 def step(scheduler: Scheduler, runner: FakeRunner) -> None:
     output = scheduler.schedule()
     scheduler.update_from_output(output, runner.execute(output))
-
-
-def assert_references_match_tables(scheduler: Scheduler, output=None) -> None:
-    """Every block's reference count is the number of running requests holding it, only
-    blocks nobody holds are free (so eviction can never take a block in use), and a step
-    writes KV only into blocks that one request holds and no cache entry names."""
-    pool = scheduler.kv.pool
-    for s in output.scheduled if output is not None else []:
-        first, last = s.num_computed_tokens // BLOCK, (s.num_computed_tokens + s.num_scheduled_tokens - 1) // BLOCK
-        for block_id in scheduler.kv.block_table(s.request_id)[first : last + 1]:
-            assert pool.ref_count(block_id) == 1 and not pool.is_cached(block_id), f"{s.request_id} writes a shared block"
-    holders = [0] * pool.num_blocks
-    for r in scheduler.running:
-        for block_id in scheduler.kv.block_table(r.request_id):
-            holders[block_id] += 1
-    assert [pool.ref_count(b) for b in range(pool.num_blocks)] == holders
-    assert pool.num_free_blocks == holders.count(0)
 
 
 def shared_prefix_workload(seed: int) -> list[Request]:

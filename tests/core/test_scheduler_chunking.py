@@ -11,7 +11,7 @@ import pytest
 
 from chunkserve.config.scheduler import ChunkSchedule
 from chunkserve.core.step_predictor import StepShape, StepTimePredictor
-from tests.core.test_scheduler import BLOCK, FakeRunner, make_request, make_scheduler, run
+from tests.core.support import BLOCK, FakeRunner, make_request, make_scheduler, run
 
 
 class Clock:

@@ -14,7 +14,15 @@ from chunkserve.config.speculative import SpeculativeConfig
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from chunkserve.sampling_params import SamplingParams
-from tests.core.test_scheduler import BLOCK, EOS, FakeRunner, fake_model, make_request, make_scheduler, run
+from tests.core.support import (
+    BLOCK,
+    EOS,
+    FakeRunner,
+    fake_model,
+    make_request,
+    make_scheduler,
+    run,
+)
 
 K = 3
 NGRAM = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,

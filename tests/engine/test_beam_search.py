@@ -15,6 +15,7 @@ from chunkserve.engine.beam_search import BeamSearchSequence
 from chunkserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import BeamSearchParams
+from tests.engine.support import save_tiny_llama
 
 EOS = 0
 
@@ -113,22 +114,6 @@ def test_the_servers_completion_leaves_eos_out_of_the_text_and_shows_the_taken_t
 
 
 # ----- the search on a model ------------------------------------------------------------------------
-
-
-def save_tiny_llama(folder, tokenizer):
-    """A tiny random Llama (conftest's config) saved in `folder` with `tokenizer`; returns transformers' model."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.conftest import tiny_hf_config
-
-    config = tiny_hf_config("llama")
-    config.vocab_size = len(tokenizer)
-    config.eos_token_id = tokenizer.eos_token_id
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return model
 
 
 @pytest.fixture(scope="module")

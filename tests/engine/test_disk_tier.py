@@ -18,7 +18,7 @@ from chunkserve.core.kv.kv_cache_manager import ROOT_HASH, hash_block
 from chunkserve.core.request import RequestStatus
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.sampling_params import SamplingParams
-from tests.core.test_disk_tier import forge
+from tests.core.support import forge
 
 BLOCK = 16
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -12,44 +12,14 @@ from chunkserve.config import EngineArgs
 from chunkserve.engine.core import EngineCore
 from chunkserve.engine.messages import EngineCoreRequest
 from chunkserve.sampling_params import SamplingParams
+from tests.engine.support import PROMPTS, healthy_requests, run
 
 ARGS = EngineArgs(max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32)  # as default_llm's
-PROMPTS = [[1000 + 37 * i + j for j in range(5 + 3 * i)] for i in range(8)]
 
 
 @pytest.fixture(scope="module")
 def core():
     return EngineCore(ARGS)
-
-
-def healthy_requests() -> list[EngineCoreRequest]:
-    """Four greedy requests and four seeded sampling ones (their generators must not be disturbed)."""
-    requests = []
-    for i, prompt in enumerate(PROMPTS):
-        params = (SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) if i % 2 == 0 else
-                  SamplingParams(max_tokens=10, temperature=0.9, seed=100 + i, ignore_eos=True))
-        requests.append(EngineCoreRequest(f"healthy-{i}", prompt, params, None, arrival_time=float(i)))
-    return requests
-
-
-def run(core: EngineCore, requests: list[EngineCoreRequest]) -> tuple[dict[str, list[int]], dict[str, str]]:
-    """Every request's tokens, and the error of each one the engine failed."""
-    for request in requests:
-        core.add_request(request)
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    errors: dict[str, str] = {}
-    steps = 0
-    while core.has_unfinished_requests():
-        steps += 1
-        assert steps < 500, "the engine does not make progress"
-        step = core.step()
-        for output in [] if step is None else step.outputs:
-            tokens[output.request_id] += output.new_token_ids
-            if output.error is not None:
-                errors[output.request_id] = output.error
-    report = core.check()
-    assert report["ok"], report
-    return tokens, errors
 
 
 def poisoned(kind: str) -> EngineCoreRequest:

@@ -25,7 +25,7 @@ from chunkserve.engine.output_processor import OutputProcessor
 from chunkserve.engine.outputs import RequestOutput
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import RequestOutputKind, SamplingParams
-from tests.engine.test_isolation import healthy_requests, run
+from tests.engine.support import healthy_requests, run
 
 ARGS = dict(max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32)  # as default_llm's
 PROMPT = "The history of the printing press begins in"

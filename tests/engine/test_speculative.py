@@ -16,7 +16,7 @@ import torch
 from chunkserve import LLM, SamplingParams
 from chunkserve.config.model import default_model_path
 from chunkserve.core.kv.kv_cache_manager import ROOT_HASH, hash_block
-from tests.entrypoints.test_llm import assert_pool_free
+from tests.engine.support import assert_pool_free
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
          "policy": "always"}

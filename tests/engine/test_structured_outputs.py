@@ -16,7 +16,7 @@ import pytest
 from chunkserve import LLM, SamplingParams
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import StructuredOutputsParams
-from tests.entrypoints.test_llm import assert_pool_free
+from tests.engine.support import assert_pool_free
 
 PERSON = {
     "type": "object",

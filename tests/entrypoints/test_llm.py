@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from chunkserve import LLM, InvalidRequestError, SamplingParams
+from tests.engine.support import assert_pool_free
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -19,11 +20,6 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 def chat_prompts(llm: LLM, questions=QUESTIONS) -> list[list[int]]:
     return [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
-
-
-def assert_pool_free(llm: LLM) -> None:
-    kv = llm.engine.engine_core.scheduler.kv
-    assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
 
 
 def mixed_length_prompts(llm: LLM, count: int = 18) -> list[list[int]]:

@@ -14,7 +14,7 @@ from chunkserve import LLM, SamplingParams
 from chunkserve.engine.outputs import Logprob
 from chunkserve.errors import InvalidRequestError, ModelLoadError
 from chunkserve.sampling_params import RequestOutputKind
-from tests.engine.test_beam_search import save_tiny_llama
+from tests.engine.support import save_tiny_llama
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -10,25 +10,11 @@ import pytest
 import torch
 
 from chunkserve import LLM, InvalidRequestError, SamplingParams
-from tests.conftest import tiny_hf_config
-from tests.entrypoints.test_llm import assert_pool_free
+from tests.engine.support import assert_pool_free
+from tests.executor.support import tiny_llama
 
 TOL = 1e-4
 HF_TOL = 2e-3  # transformers' attention sums in another order over the whole sequence
-
-
-def tiny_llama(folder, tokenizer, num_kv_heads: int) -> str:
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_hf_config("llama")
-    config.num_key_value_heads = num_kv_heads
-    config.vocab_size = len(tokenizer)
-    config.eos_token_id = tokenizer.eos_token_id
-    torch.manual_seed(num_kv_heads)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture(scope="module", params=[2, 1], ids=["2-kv-heads", "1-kv-head-replicated"])

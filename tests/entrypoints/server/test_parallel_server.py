@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from chunkserve import LLM, SamplingParams
-from tests.executor.test_parallel import tiny_llama
+from tests.executor.support import tiny_llama
 from tests.server_process import API_KEY, Server, free_port, start_server, wait_until_up
 
 PROMPTS = ["The lighthouse keeper climbed", "Once upon a time", "Ships went by over the grey water and"]
