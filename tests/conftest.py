@@ -145,3 +145,19 @@ def server(tmp_path_factory):
     started.trace_path = trace_path
     yield started
     stop_server(started)
+
+
+@pytest.fixture(scope="session")
+def tiny_delayed_server(tmp_path_factory, tiny_gguf):
+    """One tiny-model server for the API, hostile-input and bench tests (a start costs more than
+    their calls), with the session server's budget. Each step sleeps STEP_DELAY_MS, so a test that
+    acts while a request prefills or decodes finds it there; it writes --trace-steps."""
+    from chunkserve.engine.core import TEST_STEP_DELAY_ENV
+    from tests.entrypoints.server.tiny_server_support import start_tiny_server
+    from tests.server_process import stop_server
+    from tests.tiny_model import STEP_DELAY_MS
+
+    started = start_tiny_server(tmp_path_factory, tiny_gguf, name="tiny-delayed", trace_steps=True,
+                                env={TEST_STEP_DELAY_ENV: str(STEP_DELAY_MS)})
+    yield started
+    stop_server(started)

@@ -1,18 +1,30 @@
-"""`chunkserve bench serve` end to end against the real server (the session `server` fixture)."""
+"""`chunkserve bench serve` end to end against a real server on the tiny model.
+
+The server sleeps STEP_DELAY_MS before each step: a request of n tokens takes at least n steps,
+which gives the run a duration the test can bound from below, and keeps the interference
+workload's streams decoding while its long prompt prefills, as on a real model."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import pytest
 
 from chunkserve.bench.serve import add_arguments, format_table, run_benchmark
 from chunkserve.entrypoints import cli
 from tests.server_process import API_KEY
+from tests.tiny_model import STEP_DELAY_MS
 
 TOP_LEVEL_KEYS = {"label", "workload", "config", "base_url", "model", "bench_start", "summary", "interference",
                   "requests"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_delayed_server):
+    """The tiny model's server, each step delayed so that streams outlast the test's actions."""
+    return tiny_delayed_server
 
 
 def bench_args(server, *flags: str) -> argparse.Namespace:
@@ -23,8 +35,10 @@ def bench_args(server, *flags: str) -> argparse.Namespace:
 
 def test_random_workload_result_file(server, tmp_path):
     path = tmp_path / "random.json"
+    wall_started = time.monotonic()
     returned = run_benchmark(bench_args(server, "--num-prompts", "6", "--input-len", "32", "--output-len", "8",
                                         "--api-key", API_KEY, "--result-file", str(path)))
+    wall_s = time.monotonic() - wall_started
     result = json.loads(path.read_text())
     assert result == returned
     assert set(result) == TOP_LEVEL_KEYS
@@ -39,6 +53,11 @@ def test_random_workload_result_file(server, tmp_path):
     assert summary["ttft_ms"]["count"] == 6 and summary["ttft_ms"]["p50"] > 0
     assert all(r["send_time"] < r["token_times"][0] <= r["token_times"][-1] <= r["end_time"] for r in requests)
     assert (summary["completed"], summary["failed"]) == (6, 0)
+    # duration_s spans the first send to the last end: within the wall time around the run, and at
+    # least the 8 delayed steps that every request's 8 tokens needed.
+    assert summary["duration_s"] == pytest.approx(max(r["end_time"] for r in requests)
+                                                  - min(r["send_time"] for r in requests))
+    assert 8 * STEP_DELAY_MS / 1000 <= summary["duration_s"] <= wall_s
     assert summary["completed"] / summary["duration_s"] == pytest.approx(summary["request_throughput"])
     assert summary["output_token_throughput"] == pytest.approx(48 / summary["duration_s"])
     assert summary["goodput"] == pytest.approx(summary["request_throughput"])

@@ -75,6 +75,8 @@ class Fake:
     authorizations: list[str | None] = field(default_factory=list)
     sent_at: dict[str, list[float]] = field(default_factory=dict)  # fake_id -> when each SSE event was sent
     cancelled: list[str] = field(default_factory=list)  # fake_ids whose client left before the answer's end
+    failing_health_checks: int = 0  # how many of the next GET /health get 503
+    health_answers: list[int] = field(default_factory=list)  # the status of every GET /health, in order
     server: uvicorn.Server | None = None
     thread: threading.Thread | None = None
 
@@ -104,6 +106,11 @@ def fake_app(fake: Fake) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if fake.failing_health_checks > 0:
+            fake.failing_health_checks -= 1
+            fake.health_answers.append(503)
+            return Response(status_code=503)
+        fake.health_answers.append(200)
         return {}
 
     @app.get("/server_info")
@@ -343,17 +350,38 @@ def assert_unavailable(response: httpx.Response, message: str) -> None:
     assert error["type"] == "service_unavailable" and message in error["message"], error
 
 
+def fail_health_checks(fake: Fake, count: int) -> None:
+    """Make `fake` answer its next `count` health checks 503; returns once it has answered them
+    and a good one after them, by when the router has acted on all of them (it checks an
+    instance again only after it has handled the previous check)."""
+    answered = len(fake.health_answers)
+    fake.failing_health_checks = count
+
+    def failed_then_answered() -> bool:
+        answers = fake.health_answers[answered:]
+        return 503 in answers and answers[answers.index(503):][:count + 1] == [503] * count + [200]
+
+    eventually(failed_then_answered, timeout_s=30)
+
+
 def test_a_role_down_is_503_until_it_is_back(pair, tmp_path):
     prefill, decode = pair
     router = start_router(tmp_path, "--prefill", prefill.url, "--decode", decode.url,
                           "--health-failure-threshold", "2")
+    out_of_rotation = f"decode instance {decode.url} is out of rotation: /health answered 503"
+    healthy_key = f"chunkserve:router_instance_healthy{{instance={decode.url},role=decode}}"
     try:
         eventually(lambda: router.health().status_code == 200)
         assert router.post(new_id()).status_code == 200
+        # The threshold counts checks, not seconds: one failed check leaves the instance in rotation,
+        # two in a row take it out, and the next good check brings it back.
+        fail_health_checks(decode, 1)
+        assert out_of_rotation not in router.log() and router.metrics()[healthy_key] == 1
+        fail_health_checks(decode, 2)
+        assert router.log().count(out_of_rotation) == 1
+        eventually(lambda: router.health().status_code == 200)
         decode.stop()
-        stopped = time.monotonic()
-        eventually(lambda: router.health().status_code == 503)
-        assert time.monotonic() - stopped < 10 * INTERVAL_S
+        eventually(lambda: router.health().status_code == 503, timeout_s=30)
         assert_unavailable(router.health(), "no healthy decode instance")
         assert_unavailable(router.post(new_id()), "no healthy decode instance")
         decode.start()

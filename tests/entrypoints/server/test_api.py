@@ -1,10 +1,15 @@
 """The HTTP API through the official openai client and raw HTTP: the same text as the offline
-engine, streaming per token, disconnects, errors, auth, metrics."""
+engine, streaming per token, disconnects, errors, auth, metrics.
+
+The protocol is checked on a server on the tiny model (tests/tiny_model.py) against an in-process
+engine with the same flags; only what needs real weights (an answer, the default model's name)
+asks the session SmolLM2 `server`."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 
 import httpx
@@ -12,19 +17,31 @@ import openai
 import pytest
 
 from chunkserve import SamplingParams
+from tests.entrypoints.server.tiny_server_support import tiny_offline_llm
 from tests.server_process import API_KEY, MAX_BODY_BYTES
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
 
 @pytest.fixture(scope="module")
-def model_name(server) -> str:
-    return server.client().get("/v1/models").json()["data"][0]["id"]
+def tiny_server(tiny_delayed_server):
+    """Each of its steps sleeps STEP_DELAY_MS: a stream the test acts on is still decoding then."""
+    return tiny_delayed_server
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY)
+def tiny_llm(tiny_gguf):
+    return tiny_offline_llm(tiny_gguf)
+
+
+@pytest.fixture(scope="module")
+def model_name(tiny_server) -> str:
+    return tiny_server.client().get("/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key=API_KEY)
 
 
 def offline_texts(llm, prompts, max_tokens: int) -> list[str]:
@@ -32,45 +49,44 @@ def offline_texts(llm, prompts, max_tokens: int) -> list[str]:
     return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_completion_equals_the_offline_engine(client, model_name, default_llm):
+def test_completion_equals_the_offline_engine(client, model_name, tiny_llm):
     prompt = "The capital of France is"
     response = client.completions.create(model=model_name, prompt=prompt, max_tokens=12, temperature=0)
     choice = response.choices[0]
-    assert choice.text == offline_texts(default_llm, [prompt], 12)[0]
-    assert response.usage.prompt_tokens == len(default_llm.get_tokenizer().encode(prompt))
+    assert choice.text == offline_texts(tiny_llm, [prompt], 12)[0]
+    assert response.usage.prompt_tokens == len(tiny_llm.get_tokenizer().encode(prompt))
     assert response.usage.completion_tokens == 12 and choice.finish_reason == "length"
 
 
-def test_completion_prompt_forms_and_echo(client, model_name, default_llm):
-    ids = default_llm.get_tokenizer().encode("Once upon a time")
+def test_completion_prompt_forms_and_echo(client, model_name, tiny_llm):
+    ids = tiny_llm.get_tokenizer().encode("Once upon a time")
     batch = client.completions.create(model=model_name, prompt=["Hello", "Once upon a time"], max_tokens=6,
                                       temperature=0)
     assert [c.index for c in batch.choices] == [0, 1]
-    assert [c.text for c in batch.choices] == offline_texts(default_llm, ["Hello", ids], 6)
+    assert [c.text for c in batch.choices] == offline_texts(tiny_llm, ["Hello", ids], 6)
     from_ids = client.completions.create(model=model_name, prompt=[ids, ids[:2]], max_tokens=6, temperature=0)
-    assert [c.text for c in from_ids.choices] == offline_texts(default_llm, [ids, ids[:2]], 6)
+    assert [c.text for c in from_ids.choices] == offline_texts(tiny_llm, [ids, ids[:2]], 6)
     echoed = client.completions.create(model=model_name, prompt="Hello", max_tokens=4, temperature=0, echo=True)
     text = echoed.choices[0].text
     assert text.startswith("Hello") and len(text) > 5 and batch.choices[0].text.startswith(text[5:])
 
 
-def test_streamed_completion_sends_one_chunk_per_token(client, model_name, default_llm):
+def test_streamed_completion_sends_one_chunk_per_token(client, model_name, tiny_llm):
     prompt = "Once upon a time"
     chunks = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=10, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     token_chunks = [c for c in chunks if c.choices]
     assert len(token_chunks) == 10
-    assert "".join(c.choices[0].text for c in token_chunks) == offline_texts(default_llm, [prompt], 10)[0]
+    assert "".join(c.choices[0].text for c in token_chunks) == offline_texts(tiny_llm, [prompt], 10)[0]
     assert token_chunks[-1].choices[0].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 10
 
 
-def test_chat_equals_the_offline_chat(client, model_name, default_llm):
+def test_chat_equals_the_offline_chat(client, model_name, tiny_llm):
     messages = [{"role": "user", "content": QUESTIONS[0]}]
-    expected = default_llm.chat(messages, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0]
+    expected = tiny_llm.chat(messages, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0]
     response = client.chat.completions.create(model=model_name, messages=messages, max_tokens=20, temperature=0)
     assert response.choices[0].message.content == expected.outputs[0].text
-    assert "Paris" in response.choices[0].message.content
     stream = client.chat.completions.create(model=model_name, messages=messages, max_tokens=20, temperature=0,
                                             stream=True)
     chunks = list(stream)
@@ -79,14 +95,26 @@ def test_chat_equals_the_offline_chat(client, model_name, default_llm):
     assert chunks[-1].choices[0].finish_reason == expected.outputs[0].finish_reason
 
 
+def test_the_default_model_answers_and_is_named_after_its_file(server):
+    """Real weights: SmolLM2 through the server's chat template knows the answer, and the
+    default server names the model it loaded."""
+    with server.client() as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        assert model.startswith("SmolLM2-135M-Instruct")
+        response = http.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 20,
+            "temperature": 0})
+    assert response.status_code == 200 and "Paris" in response.json()["choices"][0]["message"]["content"]
+
+
 @pytest.mark.parametrize("fields", [{"chat_template": "{{ messages }}"},
                                     {"chat_template_kwargs": {"chat_template": "{{ messages }}"}}])
-def test_a_request_chat_template_needs_trust_request_chat_template(client, model_name, server, fields):
+def test_a_request_chat_template_needs_trust_request_chat_template(client, model_name, tiny_server, fields):
     """As vLLM: a template from the request is code the server would run."""
     messages = [{"role": "user", "content": "Hi"}]
     with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template is not set"):
         client.chat.completions.create(model=model_name, messages=messages, max_tokens=1, extra_body=fields)
-    with server.client() as http:
+    with tiny_server.client() as http:
         refused = http.post("/tokenize", json={"messages": messages, **fields})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
     kwargs = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1,
@@ -108,12 +136,12 @@ def test_logprobs_describe_the_sampled_tokens(client, model_name):
     assert len(content) == 4 and all(len(entry.top_logprobs) == 2 for entry in content)
 
 
-def test_sixteen_concurrent_streams_each_get_the_offline_text(server, model_name, default_llm):
-    tokenizer = default_llm.get_tokenizer()
+def test_sixteen_concurrent_streams_each_get_the_offline_text(tiny_server, model_name, tiny_llm):
+    tokenizer = tiny_llm.get_tokenizer()
     story = tokenizer.encode("The lighthouse keeper counted the steps every night and listened to the sea. " * 20)
     prompts = [story[i : i + n] for i, n in enumerate([3, 9, 20, 33, 47, 64, 80, 101, 130, 150, 170, 200,
                                                        230, 260, 300, 5])]
-    expected = offline_texts(default_llm, prompts, 16)
+    expected = offline_texts(tiny_llm, prompts, 16)
 
     async def stream_one(client: openai.AsyncOpenAI, prompt: list[int]) -> str:
         stream = await client.completions.create(model=model_name, prompt=prompt, max_tokens=16, temperature=0,
@@ -121,17 +149,17 @@ def test_sixteen_concurrent_streams_each_get_the_offline_text(server, model_name
         return "".join([chunk.choices[0].text async for chunk in stream])
 
     async def run_all() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY) as client:
+        async with openai.AsyncOpenAI(base_url=f"{tiny_server.base_url}/v1", api_key=API_KEY) as client:
             return await asyncio.gather(*(stream_one(client, p) for p in prompts))
 
     assert asyncio.run(run_all()) == expected
 
 
-def test_sglang_generate(server, default_llm):
-    with server.client() as http:
+def test_sglang_generate(tiny_server, tiny_llm):
+    with tiny_server.client() as http:
         body = http.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 6,
                                                                                  "temperature": 0}}).json()
-        assert body["text"] == offline_texts(default_llm, ["Hello"], 6)[0]
+        assert body["text"] == offline_texts(tiny_llm, ["Hello"], 6)[0]
         assert body["meta_info"]["completion_tokens"] == len(body["output_ids"]) == 6
         assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
         with http.stream("POST", "/generate", json={"input_ids": [1, 2, 3], "stream": True,
@@ -141,30 +169,31 @@ def test_sglang_generate(server, default_llm):
     assert len(json.loads(events[-2][6:])["output_ids"]) == 4
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
-    before = server.metrics()
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(tiny_server):
+    before = tiny_server.metrics()
     aborted_key = "chunkserve:request_success_total{finished_reason=abort}"
     body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    with server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
+    with tiny_server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(6)]  # three events with their blank separators
-        assert sum(line.startswith("data: ") for line in received) == 3
-    metrics = server.wait_until(lambda m: m[aborted_key] == before[aborted_key] + 1)
+        events = [json.loads(line[6:]) for line in received if line.startswith("data: ")]
+        assert len(events) == 3 and all(e["choices"][0]["finish_reason"] is None for e in events)  # mid-stream
+    metrics = tiny_server.wait_until(lambda m: m[aborted_key] == before[aborted_key] + 1)
     assert metrics["chunkserve:kv_cache_free_blocks{}"] == metrics["chunkserve:kv_cache_total_blocks{}"]
     assert metrics["chunkserve:num_requests_running{}"] == 0
 
 
-def test_metrics_counters_agree_with_what_was_sent(server, client, model_name, default_llm):
+def test_metrics_counters_agree_with_what_was_sent(tiny_server, client, model_name, tiny_llm):
     prompts = ["One", "Two three", "Four five six seven"]
-    before = server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0)
+    before = tiny_server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0)
     for prompt in prompts:
         client.completions.create(model=model_name, prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True})
-    after = server.metrics()
+    after = tiny_server.metrics()
 
     def delta(name: str) -> float:
         return after[name] - before[name]
 
-    prompt_tokens = sum(len(default_llm.get_tokenizer().encode(p)) for p in prompts)
+    prompt_tokens = sum(len(tiny_llm.get_tokenizer().encode(p)) for p in prompts)
     assert delta("chunkserve:prompt_tokens_total{}") == prompt_tokens
     assert delta("chunkserve:generation_tokens_total{}") == 15
     assert delta("chunkserve:request_success_total{finished_reason=length}") == 3
@@ -176,11 +205,11 @@ def test_metrics_counters_agree_with_what_was_sent(server, client, model_name, d
     assert after["chunkserve:kv_cache_free_blocks{}"] == after["chunkserve:kv_cache_total_blocks{}"]
 
 
-def test_prefix_cache_hits_show_in_usage_and_metrics_and_reset_waits_for_idle(server, client, model_name):
+def test_prefix_cache_hits_show_in_usage_and_metrics_and_reset_waits_for_idle(tiny_server, client, model_name):
     prompt = list(range(1000, 1100))
-    idle = server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0
+    idle = tiny_server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0
                              and m["chunkserve:num_requests_waiting{}"] == 0)
-    with server.admin_client() as admin:
+    with tiny_server.admin_client() as admin:
         assert admin.post("/reset_prefix_cache").status_code == 200
     first = client.completions.create(model=model_name, prompt=prompt, max_tokens=2)
     longer = client.completions.create(model=model_name, prompt=prompt + [7, 8, 9], max_tokens=2)
@@ -189,20 +218,20 @@ def test_prefix_cache_hits_show_in_usage_and_metrics_and_reset_waits_for_idle(se
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert longer.usage.prompt_tokens_details.cached_tokens == 96  # 6 full blocks of 16
     assert chat.usage.prompt_tokens_details.cached_tokens % 16 == 0
-    after = server.metrics()
+    after = tiny_server.metrics()
     hits = after["chunkserve:prefix_cache_hits_total{}"] - idle["chunkserve:prefix_cache_hits_total{}"]
     queries = after["chunkserve:prefix_cache_queries_total{}"] - idle["chunkserve:prefix_cache_queries_total{}"]
     assert hits == 96 + chat.usage.prompt_tokens_details.cached_tokens
     assert queries == 100 + 103 + chat.usage.prompt_tokens
 
     body = {"prompt": prompt, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    with server.client() as http, server.admin_client() as admin:
+    with tiny_server.client() as http, tiny_server.admin_client() as admin:
         with http.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()  # kept: dropping the iterator closes the stream
             next(line for line in lines if line.startswith("data: "))
             refused = admin.post("/reset_prefix_cache")
         assert refused.status_code == 409 and refused.json()["error"]["type"] == "conflict_error"
-        server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0)
+        tiny_server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0)
         assert admin.post("/reset_prefix_cache").status_code == 200
     again = client.completions.create(model=model_name, prompt=prompt, max_tokens=2)
     assert again.usage.prompt_tokens_details.cached_tokens == 0
@@ -240,8 +269,8 @@ def test_prefix_cache_hits_show_in_usage_and_metrics_and_reset_waits_for_idle(se
     ("/generate", {"sampling_params": {}}, 400, "exactly one of text and input_ids", "text"),
     ("/generate", {"input_ids": [10**9]}, 400, "out of range", "prompt"),
 ])
-def test_bad_input_gets_400_with_an_openai_error_body(server, path, body, status, message, param):
-    with server.client() as http:
+def test_bad_input_gets_400_with_an_openai_error_body(tiny_server, path, body, status, message, param):
+    with tiny_server.client() as http:
         content = body if isinstance(body, str) else json.dumps(body)
         response = http.post(path, content=content)
         assert response.status_code == status
@@ -257,8 +286,8 @@ def test_the_openai_client_sees_bad_requests_as_bad_request_errors(client, model
         client.completions.create(model=model_name, prompt="hi", top_p=2.0)
 
 
-def test_oversized_body_gets_413(server):
-    with server.client() as http:
+def test_oversized_body_gets_413(tiny_server):
+    with tiny_server.client() as http:
         response = http.post("/v1/completions", json={"prompt": "x" * (MAX_BODY_BYTES + 1)})
     assert response.status_code == 413 and "larger than the limit" in response.json()["error"]["message"]
 
@@ -268,33 +297,33 @@ def test_oversized_body_gets_413(server):
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/load"), ("POST", "/reset_prefix_cache"),
     ("GET", "/debug/check"),
 ])
-def test_every_endpoint_but_the_polled_ones_needs_the_api_key(server, method, path):
+def test_every_endpoint_but_the_polled_ones_needs_the_api_key(tiny_server, method, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
-        response = httpx.request(method, server.base_url + path, headers=headers, json={"prompt": "hi"})
+        response = httpx.request(method, tiny_server.base_url + path, headers=headers, json={"prompt": "hi"})
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "authentication_error"
 
 
 @pytest.mark.parametrize("method, path", [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"),
                                           ("GET", "/version"), ("GET", "/metrics")])
-def test_what_load_balancers_and_prometheus_poll_is_open_as_in_vllm(server, method, path):
-    assert httpx.request(method, server.base_url + path).status_code == 200
+def test_what_load_balancers_and_prometheus_poll_is_open_as_in_vllm(tiny_server, method, path):
+    assert httpx.request(method, tiny_server.base_url + path).status_code == 200
 
 
-def test_models_version_and_health(server, model_name):
-    with server.client() as http:
+def test_models_version_and_health(tiny_server, model_name, tiny_gguf):
+    with tiny_server.client() as http:
         models = http.get("/v1/models").json()
         assert models["object"] == "list" and models["data"][0]["max_model_len"] > 0
-        assert model_name.startswith("SmolLM2-135M-Instruct")
+        assert model_name.startswith(os.path.basename(tiny_gguf).removesuffix(".gguf"))
         assert http.get("/version").json()["version"]
         assert http.get("/health").status_code == 200
         assert http.get("/no-such-route").json()["error"]["code"] == 404
 
 
-def test_step_trace_file_and_debug_endpoint_agree(server, client, model_name):
+def test_step_trace_file_and_debug_endpoint_agree(tiny_server, client, model_name):
     client.completions.create(model=model_name, prompt="Count to ten:", max_tokens=6, extra_body={"ignore_eos": True})
-    server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0)
-    with server.admin_client() as admin:
+    tiny_server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0)
+    with tiny_server.admin_client() as admin:
         steps = admin.get("/debug/steps", params={"last": 5}).json()["steps"]
         assert admin.get("/debug/steps", params={"last": "many"}).status_code == 400
     assert len(steps) == 5 and steps[-1]["forward_mode"] == "DECODE"
@@ -308,11 +337,11 @@ def test_step_trace_file_and_debug_endpoint_agree(server, client, model_name):
     assert steps[-1]["ranks"] == [] and steps[-1]["request_ids"] == []  # one process, no pipeline
     assert 0 <= steps[-1]["prediction_error_p50"] <= steps[-1]["prediction_error_p90"]
     assert steps[-1]["slo_margin"] >= 1
-    with open(server.trace_path) as f:
+    with open(tiny_server.trace_path) as f:
         traced = [json.loads(line) for line in f]
     assert traced[-5:] == steps
     assert [s["step_id"] for s in traced] == list(range(len(traced)))  # every step, in order
-    total = server.metrics()
+    total = tiny_server.metrics()
     steps_total = sum(total[f"chunkserve:engine_steps_total{{forward_mode={m}}}"] for m in ("EXTEND", "MIXED", "DECODE"))
     assert len(traced) == steps_total
     assert total["chunkserve:step_time_prediction_relative_error{quantile=0.9}"] == traced[-1]["prediction_error_p90"]

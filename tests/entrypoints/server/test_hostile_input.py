@@ -1,20 +1,31 @@
 """The hostile requests that once failed bystanders or stalled the server, as regression tests
-against the real server: each gets a clear 400 (or is served harmlessly) while a bystander's
-stream runs beside it and finishes untouched."""
+against the real server on the tiny model: each gets a clear 400 (or is served harmlessly) while
+a bystander's stream runs beside it and finishes untouched.
+
+The server sleeps STEP_DELAY_MS before each step, so the bystander (and the hung-up batch) are
+still decoding while the test acts; the tests assert that they were."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
 
 from tests.server_process import API_KEY
 
-BYSTANDER = {"prompt": "Tell me a story about a lighthouse.", "max_tokens": 60, "ignore_eos": True,
+# 100 steps of at least STEP_DELAY_MS each: 4 s, far longer than the hostile requests take on the tiny model.
+BYSTANDER = {"prompt": "Tell me a story about a lighthouse.", "max_tokens": 100, "ignore_eos": True,
              "temperature": 0.8, "seed": 7, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_delayed_server):
+    """The tiny model's server, each step delayed so that streams outlast the test's actions."""
+    return tiny_delayed_server
 
 
 def raw_post(server, path: str, body: str | dict, **kwargs) -> httpx.Response:
@@ -23,8 +34,8 @@ def raw_post(server, path: str, body: str | dict, **kwargs) -> httpx.Response:
         return http.post(path, content=content, **kwargs)
 
 
-def stream_text(server, body: dict) -> tuple[str, list[str]]:
-    """A streamed completion's text and the finish reasons of its events."""
+def stream_text(server, body: dict, on_event: Callable[[dict], None] = lambda event: None) -> tuple[str, list[str]]:
+    """A streamed completion's text and the finish reasons of its events; `on_event` sees each event."""
     text, reasons = "", []
     with server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
@@ -34,6 +45,7 @@ def stream_text(server, body: dict) -> tuple[str, list[str]]:
                 assert "error" not in event, event
                 text += event["choices"][0]["text"]
                 reasons.append(event["choices"][0]["finish_reason"])
+                on_event(event)
     return text, reasons
 
 
@@ -85,8 +97,16 @@ HOSTILE = [  # (name, path, raw JSON body, the field the 400 must name)
 
 def test_hostile_requests_get_400_naming_the_field_and_a_bystander_is_untouched(server, bystander_text):
     result: dict = {}
-    bystander = threading.Thread(target=lambda: result.update(text=stream_text(server, BYSTANDER)))
+    streaming, finished = threading.Event(), threading.Event()
+
+    def on_event(event: dict) -> None:
+        streaming.set()
+        if event["choices"][0]["finish_reason"] is not None:
+            finished.set()
+
+    bystander = threading.Thread(target=lambda: result.update(text=stream_text(server, BYSTANDER, on_event)))
     bystander.start()
+    assert streaming.wait(60), "the bystander never streamed"
     failures = []
     for name, path, body, param in HOSTILE:
         started = time.monotonic()
@@ -94,8 +114,10 @@ def test_hostile_requests_get_400_naming_the_field_and_a_bystander_is_untouched(
         error = response.json().get("error", {})
         if response.status_code != 400 or error.get("param") != param or time.monotonic() - started > 5:
             failures.append((name, response.status_code, error))
+    ran_beside_every_hostile_request = not finished.is_set()
     bystander.join(120)
     assert not failures, failures
+    assert ran_beside_every_hostile_request, "the bystander finished before the hostile requests did"
     text, reasons = result["text"]
     assert text == bystander_text and reasons[-1] == "length"
 
@@ -124,18 +146,28 @@ def test_a_streamed_generate_reports_its_whole_length(server):
 
 
 def test_a_top_k_beyond_the_vocabulary_means_no_top_k(server):
+    def sampled_text(**top_k) -> str:
+        response = raw_post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 8, "temperature": 1.0,
+                                                        "seed": 1, **top_k})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
+        return response.json()["choices"][0]["text"]
+
+    untruncated = sampled_text()
+    assert sampled_text(top_k=1) != untruncated  # this seed's sample is not the greedy text: top_k shows
     for top_k in (2**63, 10**6):
-        response = raw_post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 1.0,
-                                                        "top_k": top_k, "seed": 1})
-        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+        assert sampled_text(top_k=top_k) == untruncated
 
 
 def test_a_client_that_hangs_up_stops_the_work_of_every_prompt_it_sent(server):
+    aborted_key = "chunkserve:request_success_total{finished_reason=abort}"
+    aborted_before = server.metrics()[aborted_key]
     body = {"prompt": [f"Story number {i}:" for i in range(40)], "max_tokens": 2000, "ignore_eos": True}
     with server.client() as http, pytest.raises(httpx.ReadTimeout):
-        http.post("/v1/completions", json=body, timeout=1.5)  # the client gives up: its connection closes
-    server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0
-                      and m["chunkserve:num_requests_waiting{}"] == 0, timeout_s=20)
+        # 2000 steps of at least STEP_DELAY_MS take over a minute: the client gives up while they decode.
+        http.post("/v1/completions", json=body, timeout=1.5)  # its connection closes
+    drained = server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0
+                                and m["chunkserve:num_requests_waiting{}"] == 0, timeout_s=20)
+    assert drained[aborted_key] == aborted_before + 40  # stopped, not finished
 
 
 def test_the_bearer_scheme_is_case_insensitive_and_openapi_shows_the_bodies(server):
