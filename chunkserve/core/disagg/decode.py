@@ -62,7 +62,7 @@ class DecodeConnectorScheduler(KVConnectorScheduler):
         self._cancelled: dict[int, TransferParams] = {}
         self._failed: dict[str, str] = {}
         self._first: dict[str, FirstToken] = {}
-        self._bytes = self._transfers = self._failures = 0
+        self._bytes = self._transfers = self._failures = self._late_messages = 0
         self._latencies: deque[float] = deque(maxlen=RECENT_LATENCIES)
 
     # ----- the scheduler's verbs --------------------------------------------------------------
@@ -110,6 +110,7 @@ class DecodeConnectorScheduler(KVConnectorScheduler):
         if not output:
             return
         self._bytes += output.bytes_applied
+        self._late_messages += output.late_messages
         now = self._clock()
         for request_id in output.progress:
             room = self._rooms.get(self._by_request.get(request_id, -1))
@@ -138,7 +139,8 @@ class DecodeConnectorScheduler(KVConnectorScheduler):
         return KVTransferStats(
             role="decode", num_bootstrapping=states.count(BOOTSTRAPPING), num_preallocated=states.count(PREALLOCATED),
             num_transferring=states.count(TRANSFERRING), bytes_total=self._bytes, transfers_total=self._transfers,
-            failed_total=self._failures, recent_latencies=tuple(self._latencies))
+            failed_total=self._failures, late_messages_total=self._late_messages,
+            recent_latencies=tuple(self._latencies))
 
     def _fail(self, request_id: str, reason: str) -> None:
         if request_id in self._failed or request_id not in self._by_request:

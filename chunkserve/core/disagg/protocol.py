@@ -143,6 +143,8 @@ class DecodeOutput:
     progress: list[str] = field(default_factory=list)  # requests whose first bytes arrived
     bootstrapped: list[str] = field(default_factory=list)  # requests whose prefill side was asked
     bytes_applied: int = 0
+    late_messages: int = 0  # messages for rooms that had already ended here: dropped
 
     def __bool__(self) -> bool:  # (any of it changes the stats: the engine reports them)
-        return bool(self.received or self.failed or self.progress or self.bootstrapped or self.bytes_applied)
+        return bool(self.received or self.failed or self.progress or self.bootstrapped or self.bytes_applied
+                    or self.late_messages)

@@ -229,6 +229,7 @@ class KVTransferStats:
     bytes_total: int = 0  # sent (prefill) or copied into the pool (decode)
     transfers_total: int = 0
     failed_total: int = 0
+    late_messages_total: int = 0  # decode: messages that arrived for requests already ended here (dropped)
     recent_latencies: tuple[float, ...] = ()  # seconds, oldest first
 
 

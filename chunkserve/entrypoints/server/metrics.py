@@ -215,6 +215,9 @@ class EngineMetrics:
         self.kv_transfer_failed = counter(
             "kv_transfer_failed", "Requests whose KV transfer failed (aborted: timeout, corrupted block, bootstrap "
             "refused, the other instance gone)").labels(**labels)
+        self.kv_transfer_late_messages = counter(
+            "kv_transfer_late_messages", "Decode: messages from prefill instances that arrived for requests already "
+            "ended here (aborted, failed or timed out), dropped unread").labels(**labels)
         self.kv_transfer_bootstrapping = gauge(
             "kv_transfer_requests_bootstrapping", "Requests whose other side has not bootstrapped yet (prefill), or "
             "waiting for their blocks to be pre-allocated (decode)")
@@ -284,6 +287,7 @@ class EngineMetrics:
             self._count_up_to(self.kv_transfer_bytes, transfer.bytes_total)
             self._count_up_to(self.kv_transfer_requests, transfer.transfers_total)
             self._count_up_to(self.kv_transfer_failed, transfer.failed_total)
+            self._count_up_to(self.kv_transfer_late_messages, transfer.late_messages_total)
             self.kv_transfer_bootstrapping.set(transfer.num_bootstrapping)
             self.kv_transfer_preallocated.set(transfer.num_preallocated)
             self.kv_transfer_transferring.set(transfer.num_transferring)

@@ -173,7 +173,8 @@ class DecodeConnectorWorker(KVConnectorWorker):
     def _on_message(self, message: dict, payloads: list[zmq.Frame]) -> None:
         kind, room_id = message["t"], int(message["room"])
         room = self._rooms.get(room_id)
-        if room is None:  # a room that ended here: late blocks are dropped
+        if room is None:  # a room that ended here: late blocks are dropped (and counted)
+            self._output.late_messages += 1
             return
         if kind == "fail":
             self._fail(room_id, f"the prefill instance failed it: {message['reason']}", tell_prefill=False)
