@@ -1,6 +1,10 @@
-"""A request moved between two real server processes: streamed on one, exported there
-(/export_request, pause), continued on the other (/import_request): the text and tokens
-equal one uninterrupted run, and both servers end idle with every KV block back."""
+"""A request moved between two real server processes on the tiny model: streamed on one,
+exported there (/export_request, pause), continued on the other (/import_request): the text and
+tokens equal one uninterrupted run, and both servers end idle with every KV block back.
+
+The exporting server runs with the test step delay, so a 256-token request decodes for
+256 x STEP_DELAY_MS (10 s): the export, sent after its first tokens, finds it running by
+construction (and the test asserts it stopped short of 256). The importing server has no delay."""
 
 from __future__ import annotations
 
@@ -8,17 +12,22 @@ import json
 
 import pytest
 
-from tests.server_process import start_server, stop_server
+from chunkserve.engine.core import TEST_STEP_DELAY_ENV
+from tests.server_process import start_server, stop_server, wait_until_up
+from tests.tiny_model import STEP_DELAY_MS, TINY_SERVER_ENV, tiny_server_flags
 
 BODY = {"text": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
         "sampling_params": {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True}}
-# long enough that the export reaches the engine before the request ends (a decode step takes ~5 ms)
 
 
 @pytest.fixture(scope="module")
-def two_servers(tmp_path_factory):
-    first = start_server(tmp_path_factory, "--max-num-batched-tokens", "64", name="export-a")
-    second = start_server(tmp_path_factory, "--max-num-batched-tokens", "64", name="import-b")
+def two_servers(tmp_path_factory, tiny_gguf):
+    flags = [*tiny_server_flags(tiny_gguf), "--max-num-batched-tokens", "64"]
+    first = start_server(tmp_path_factory, *flags, name="export-a",
+                         env={**TINY_SERVER_ENV, TEST_STEP_DELAY_ENV: str(STEP_DELAY_MS)}, wait=False)
+    second = start_server(tmp_path_factory, *flags, name="import-b", env=TINY_SERVER_ENV, wait=False)
+    wait_until_up(first)  # both start at once
+    wait_until_up(second)
     yield first, second
     stop_server(first)
     stop_server(second)
@@ -72,7 +81,10 @@ def test_streamed_import_continues_the_text(two_servers):
                 if line.startswith("data: "):
                     break
             exported = admin.post("/export_request", params={"rid": "moving-2", "mode": "copy"})
-        assert exported.status_code == 200, exported.text  # copy: it went on here until the client left
+            assert exported.status_code == 200, exported.text  # it was running: a finished one is not exported
+            after = json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])
+            # copy: it goes on here (until the client leaves, which aborts it)
+            assert after["meta_info"]["finish_reason"] is None and len(after["output_ids"]) < 256
     with second.admin_client() as admin, admin.stream("POST", "/import_request", params={"stream": "true"},
                                                       content=exported.content) as imported:
         assert imported.status_code == 200

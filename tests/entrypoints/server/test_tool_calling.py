@@ -1,6 +1,8 @@
 """Tool calling on /v1/chat/completions with the official openai client, against a server started
-as vLLM's docs start one for tools (`--enable-auto-tool-choice --tool-call-parser hermes`) with
-the default SmolLM2 model: tool_choice "required" and a named function give calls whose
+as vLLM's docs start one for tools (`--enable-auto-tool-choice --tool-call-parser hermes`) on
+the tiny model (SmolLM2's tokenizer and chat template, random weights: what is checked is the
+protocol and the constraint, never the model's judgement; compact JSON, so that a random model's
+constrained arguments end instead of looping on whitespace): tool_choice "required" and a named function give calls whose
 arguments parse and validate against the tool's parameters (their decoding is constrained by
 the tool's schema), streamed and not; a conversation with an assistant's tool_calls and a tool
 result reaches the chat template; vLLM's refusals by name."""
@@ -15,6 +17,7 @@ import openai
 import pytest
 
 from tests.server_process import API_KEY, start_server, stop_server
+from tests.tiny_model import TINY_SERVER_ENV, tiny_server_flags
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
                                             "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -33,9 +36,11 @@ ONE_CALL = {"max_tokens": 96, "temperature": 0, "parallel_tool_calls": False}
 
 
 @pytest.fixture(scope="module")
-def tool_server(tmp_path_factory):
-    server = start_server(tmp_path_factory, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                          "--max-model-len", "2048", "--served-model-name", "m", name="tool_calling")
+def tool_server(tmp_path_factory, tiny_gguf):
+    server = start_server(tmp_path_factory, *tiny_server_flags(tiny_gguf, max_model_len=2048),
+                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--served-model-name", "m",
+                          "--structured-outputs-config", '{"disable_any_whitespace": true}',
+                          name="tool_calling", env=TINY_SERVER_ENV)
     yield server
     stop_server(server)
 
