@@ -1,38 +1,55 @@
-"""AsyncLLM: the engine core on a thread or in a process of its own, driven from asyncio."""
+"""AsyncLLM: the engine core on a thread or in a process of its own, driven from asyncio. Streams,
+aborts, faults and kills are behaviour: they run on the tiny GGUF (tests/tiny_model.py), with
+SmolLM2's tokenizer and outputs compared between configurations of the same model."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
 import threading
+import time
 
 import pytest
 
-from chunkserve import InvalidRequestError, SamplingParams
+from chunkserve import LLM, InvalidRequestError, SamplingParams
 from chunkserve.config import EngineArgs, resolve_model
 from chunkserve.core.sched.output import EngineCoreOutput, SchedulerStats
 from chunkserve.engine.async_llm import AsyncLLM
+from chunkserve.engine.core import TEST_STEP_DELAY_ENV
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.engine.messages import AbortRequests, Accepted, AddRequest, EngineCoreOutputs, EngineInfo
 from chunkserve.errors import EngineDeadError, RequestAbortedError, ServerOverloadedError
 from chunkserve.sampling_params import RequestOutputKind
+from tests.tiny_model import STEP_DELAY_MS
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
+def tiny_engine_args(tiny_gguf: str, **overrides) -> dict:
+    """The budget of conftest's default_llm, on the tiny model."""
+    return dict(model=tiny_gguf, max_model_len=4096, max_num_batched_tokens=64, kv_cache_memory_gb=0.25,
+                max_num_seqs=32) | overrides
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_gguf):
+    """One in-process engine on the tiny model, shared by this module's thread-side tests."""
+    return LLM(**tiny_engine_args(tiny_gguf))
+
+
 @pytest.fixture
-def async_llm(default_llm):
+def async_llm(tiny_llm):
     """An AsyncLLM over the shared engine; the engine is back to the offline API afterwards."""
-    engine = AsyncLLM.from_engine(default_llm.engine)
+    engine = AsyncLLM.from_engine(tiny_llm.engine)
     yield engine
     engine.shutdown()
     assert not engine.is_running
-    kv = default_llm.engine.engine_core.scheduler.kv
+    kv = tiny_llm.engine.engine_core.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_streams_one_output_per_token_with_the_offline_text(async_llm, default_llm):
-    expected = default_llm.generate("Hello there", GREEDY)[0].outputs[0]
+def test_streams_one_output_per_token_with_the_offline_text(async_llm, tiny_llm):
+    expected = tiny_llm.generate("Hello there", GREEDY)[0].outputs[0]
 
     async def run():
         stream = await async_llm.add_request("a", "Hello there", GREEDY)
@@ -55,8 +72,8 @@ def test_invalid_requests_raise_before_streaming(async_llm):
     asyncio.run(run())
 
 
-def test_overload_is_refused(default_llm):
-    engine = AsyncLLM.from_engine(default_llm.engine, max_waiting_requests=0)
+def test_overload_is_refused(tiny_llm):
+    engine = AsyncLLM.from_engine(tiny_llm.engine, max_waiting_requests=0)
     try:
         async def run():
             with pytest.raises(ServerOverloadedError, match="already waiting"):
@@ -67,7 +84,9 @@ def test_overload_is_refused(default_llm):
         engine.shutdown()
 
 
-def test_leaving_a_stream_early_aborts_the_request(async_llm, default_llm):
+def test_leaving_a_stream_early_aborts_the_request(async_llm, tiny_llm, monkeypatch):
+    # Slow steps: the 500 tokens outlast the abort by construction, so "finished" is the abort.
+    monkeypatch.setattr(tiny_llm.engine.engine_core, "_test_step_delay_s", STEP_DELAY_MS / 1000)
     aborted = threading.Event()  # set by the update that reports the abort
     async_llm.observers.append(
         lambda record, outputs, stats: any(o.request_id == "long" and o.finished for o in outputs) and aborted.set())
@@ -80,11 +99,11 @@ def test_leaving_a_stream_early_aborts_the_request(async_llm, default_llm):
 
     asyncio.run(run())
     assert aborted.wait(30)
-    assert default_llm.engine.get_stats().num_running == 0
+    assert tiny_llm.engine.get_stats().num_running == 0
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(async_llm, default_llm, monkeypatch):
-    executor = default_llm.engine.engine_core.executor
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(async_llm, tiny_llm, monkeypatch):
+    executor = tiny_llm.engine.engine_core.executor
     real_execute = executor.execute_model
     calls = []
 
@@ -108,13 +127,13 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(async_ll
     assert final.finished and len(final.outputs[0].token_ids) == 8
 
 
-def test_a_reader_that_stops_reading_is_aborted_and_what_it_left_is_dropped(default_llm):
-    engine = AsyncLLM.from_engine(default_llm.engine, max_unread_outputs=4)
+def test_a_reader_that_stops_reading_is_aborted_and_what_it_left_is_dropped(tiny_llm):
+    engine = AsyncLLM.from_engine(tiny_llm.engine, max_unread_outputs=4)
     params = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     try:
         async def run():
             stream = await engine.add_request("unread", "Tell me a story", params)
-            while default_llm.engine.get_stats().num_running or engine.num_unread_aborts == 0:
+            while tiny_llm.engine.get_stats().num_running or engine.num_unread_aborts == 0:
                 await asyncio.sleep(0.05)  # the reader reads nothing meanwhile
             with pytest.raises(RequestAbortedError, match="4 of its outputs were left unread"):
                 async for _ in stream:
@@ -141,33 +160,45 @@ def test_a_cache_salt_keeps_prefixes_apart(async_llm):
     assert asyncio.run(run()) == [0, 64, 0, 0]
 
 
-def test_a_long_prompt_is_tokenized_off_the_event_loop(async_llm):
-    """Tokenizing a prompt of ~180K characters takes a while: the loop keeps running meanwhile."""
-    prompt = "All work and no play makes Jack a dull boy. " * 4000
+def test_a_long_prompt_is_tokenized_off_the_event_loop(async_llm, monkeypatch):
+    """Tokenizing a prompt of ~128K characters takes a while: the loop keeps serving other tasks
+    meanwhile. Counted as ticks of another task stamped while the tokenization ran: on the loop
+    itself there could be none, however fast or slow the host (a bound on the longest gap could
+    be broken by any hiccup of a shared host)."""
+    prompt = "All work and no play makes Jack a dull boy. " * 2900  # under --max-prompt-chars (32 per position)
+    process, tokenizing = async_llm.input_processor.process, []
+
+    def timed_process(*args, **kwargs):
+        started = time.monotonic()  # the clock of asyncio's loop.time()
+        try:
+            return process(*args, **kwargs)
+        finally:
+            tokenizing.append((started, time.monotonic()))
+
+    monkeypatch.setattr(async_llm.input_processor, "process", timed_process)
 
     async def run():
-        gaps, last = [], asyncio.get_running_loop().time()
+        ticks = []
 
         async def tick():
-            nonlocal last
             while True:
-                await asyncio.sleep(0.005)
-                now = asyncio.get_running_loop().time()
-                gaps.append(now - last)
-                last = now
+                await asyncio.sleep(0.001)
+                ticks.append(asyncio.get_running_loop().time())
 
         ticker = asyncio.create_task(tick())
         with pytest.raises(InvalidRequestError, match="tokens, but max_model_len"):
             await async_llm.add_request("long", prompt, GREEDY)
         ticker.cancel()
-        return max(gaps)
+        return ticks
 
-    assert asyncio.run(run()) < 0.1
+    ticks = asyncio.run(run())
+    ((started, ended),) = tokenizing
+    assert ended - started > 0.01  # long enough for the 1 ms ticker to fire during it
+    assert sum(started < t < ended for t in ticks) >= 1
 
 
 # ----- the engine core in a process of its own (what `chunkserve serve` runs) --------------------
 
-PROCESS_ARGS = EngineArgs(max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32)  # as default_llm
 
 
 def engine_process(others: list[multiprocessing.Process]) -> multiprocessing.Process:
@@ -176,16 +207,16 @@ def engine_process(others: list[multiprocessing.Process]) -> multiprocessing.Pro
 
 
 @pytest.fixture(scope="module")
-def process_llm():
-    llm = AsyncLLM.from_engine_args(PROCESS_ARGS)
+def process_llm(tiny_gguf):
+    llm = AsyncLLM.from_engine_args(EngineArgs(**tiny_engine_args(tiny_gguf)))
     yield llm
     llm.shutdown()
     assert not llm.is_running and not multiprocessing.active_children()
 
 
-def test_engine_process_streams_the_offline_text_and_frees_every_block(process_llm, default_llm):
+def test_engine_process_streams_the_offline_text_and_frees_every_block(process_llm, tiny_llm):
     prompts = ["Hello there", "The capital of France is", "1, 2, 3,"]
-    expected = [o.outputs[0] for o in default_llm.generate(prompts, GREEDY)]
+    expected = [o.outputs[0] for o in tiny_llm.generate(prompts, GREEDY)]
     seen = []
     idle = threading.Event()  # the observers run on the receiver thread, after the streams are fed
 
@@ -230,16 +261,17 @@ def test_engine_process_refusals_keep_their_type_and_field(process_llm):
     assert asyncio.run(run()).finished
 
 
-def test_engine_process_that_cannot_start_raises_why():
+def test_engine_process_that_cannot_start_raises_why(tiny_gguf):
     before = multiprocessing.active_children()
     with pytest.raises(InvalidRequestError, match="max_model_len 1000000 exceeds the model's limit"):
-        AsyncLLM.from_engine_args(EngineArgs(max_model_len=10**6, kv_cache_memory_gb=0.25))
+        AsyncLLM.from_engine_args(EngineArgs(**tiny_engine_args(tiny_gguf, max_model_len=10**6)))
     assert multiprocessing.active_children() == before
 
 
-def test_a_killed_engine_process_fails_its_streams_and_refuses_new_requests():
+def test_a_killed_engine_process_fails_its_streams_and_refuses_new_requests(tiny_gguf, monkeypatch):
+    monkeypatch.setenv(TEST_STEP_DELAY_ENV, str(STEP_DELAY_MS))  # the 400 tokens outlast the kill by construction
     others = multiprocessing.active_children()
-    llm = AsyncLLM.from_engine_args(PROCESS_ARGS)
+    llm = AsyncLLM.from_engine_args(EngineArgs(**tiny_engine_args(tiny_gguf)))
 
     async def run():
         stream = await llm.add_request("doomed", "Tell me a story", SamplingParams(max_tokens=400))

@@ -36,6 +36,15 @@ def make_engine(model_dir: str, tier_dir=None, policy: str = "write_through", **
     return LLMEngine(EngineArgs(**args))
 
 
+def wait_until_io_thread_idle(worker_side, timeout_s: float = 30.0) -> None:
+    """Wait until the I/O thread has queued a completion for every job submitted to it, so the
+    next step takes them all (a fixed sleep could let a read finish a step later)."""
+    deadline = time.monotonic() + timeout_s
+    while worker_side._in_flight != worker_side._done.qsize():
+        assert time.monotonic() < deadline, "the disk tier's I/O thread did not finish its jobs"
+        time.sleep(0.005)
+
+
 def generate(engine: LLMEngine, prompt: list[int], request_id: str = "r") -> tuple[list[int], int]:
     """Greedy tokens and cached prompt tokens of one request; steps on until the engine is
     idle, the tier's writes included."""
@@ -244,10 +253,13 @@ def test_a_request_aborted_while_its_kv_loads_never_gets_it_written(tiny_model_d
     engine = make_engine(tiny_model_dir, tmp_path)
     worker_side = engine.engine_core.executor.worker.kv_connector
     read, release = worker_side.files.read, threading.Event()
+    reads_returned = []
 
     def held_read(block_hash):
         release.wait(10)
-        return read(block_hash)
+        result = read(block_hash)
+        reads_returned.append(block_hash)
+        return result
 
     worker_side.files.read = held_read
     engine.add_request("loading", PROMPT, PARAMS)
@@ -258,7 +270,8 @@ def test_a_request_aborted_while_its_kv_loads_never_gets_it_written(tiny_model_d
     engine.add_request("filler", FILLER, PARAMS)
     engine.step()  # the filler's first chunk, in the blocks the aborted request held
     release.set()
-    time.sleep(0.05)  # the reads are done
+    wait_until_io_thread_idle(worker_side)
+    assert len(reads_returned) == 6  # every stored block of the aborted request was read
     final = None
     while engine.has_unfinished_requests():
         final = next((o for o in engine.step() if o.finished), final)

@@ -14,12 +14,12 @@ from chunkserve.engine.messages import EngineCoreRequest
 from chunkserve.sampling_params import SamplingParams
 from tests.engine.support import PROMPTS, healthy_requests, run
 
-ARGS = EngineArgs(max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32)  # as default_llm's
-
 
 @pytest.fixture(scope="module")
-def core():
-    return EngineCore(ARGS)
+def core(tiny_gguf):
+    """default_llm's budget on the tiny model: fault isolation is behaviour, not weights."""
+    return EngineCore(EngineArgs(model=tiny_gguf, max_model_len=4096, max_num_batched_tokens=64,
+                                 kv_cache_memory_gb=0.25, max_num_seqs=32))
 
 
 def poisoned(kind: str) -> EngineCoreRequest:

@@ -27,15 +27,21 @@ from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.engine.support import healthy_requests, run
 
-ARGS = dict(max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32)  # as default_llm's
+
+def tiny_args(tiny_gguf: str) -> dict:
+    """default_llm's budget on the tiny model: the fields' semantics are behaviour, not weights."""
+    return dict(model=tiny_gguf, max_model_len=4096, max_num_batched_tokens=64, kv_cache_memory_gb=0.25,
+                max_num_seqs=32)
+
+
 PROMPT = "The history of the printing press begins in"
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 _ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLMEngine(EngineArgs(**ARGS))
+def llm(tiny_gguf):
+    return LLMEngine(EngineArgs(**tiny_args(tiny_gguf)))
 
 
 def generate(llm: LLMEngine, prompts: list, params: SamplingParams) -> list[RequestOutput]:
@@ -217,8 +223,8 @@ def test_a_refused_request_leaves_the_others_running(llm):
 
 
 @pytest.fixture(scope="module")
-def core():
-    return EngineCore(EngineArgs(**ARGS))
+def core(tiny_gguf):
+    return EngineCore(EngineArgs(**tiny_args(tiny_gguf)))
 
 
 @pytest.fixture(scope="module")

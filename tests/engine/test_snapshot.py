@@ -49,39 +49,70 @@ def through_the_wire(snapshot: RequestSnapshot) -> RequestSnapshot:
     return RequestSnapshot.from_bytes(snapshot.to_bytes())
 
 
-def exports_at_every_step(model: str, prompt: list[int], params: SamplingParams, budget: int):
-    """The uninterrupted output, and the output of each import of a snapshot taken after k steps."""
+EVERY, EDGES = "every", "edges"
+BLOCK = 16  # the engine's default block size
+
+
+def exports_at_every_step(model: str, prompt: list[int], params: SamplingParams, budget: int, steps: str = EVERY):
+    """The uninterrupted output, and the outputs of imports of snapshots taken after k steps: at
+    every k, or (EDGES) for k < 9, the last 4 output tokens, and each step where the request's
+    computed tokens sit next to a block boundary. Each import runs to the end, so exporting at
+    every step costs O(steps^2): the default tier runs EDGES for most cases."""
     source, destination = engine(model, budget), engine(model, budget)
     source.add_request("r", prompt, params)
     reference = run_to_end(source, "r")
     source.add_request("r", prompt, params)
     assert source.reset_prefix_cache() is False  # busy
-    resumed = []
+    resumed, k = {}, 0
     while source.has_unfinished_requests():
-        snapshot = through_the_wire(source.export_request("r", "copy"))
-        assert destination.reset_prefix_cache()  # as fresh as a new engine
-        destination.import_request(snapshot)
-        resumed.append(run_to_end(destination, "r"))
-        assert_idle(destination)
+        request = source.engine_core.scheduler.requests["r"]
+        near_a_block_edge = request.num_computed_tokens % BLOCK in (BLOCK - 1, 0)
+        near_the_end = params.max_tokens - request.num_output_tokens <= 4
+        if steps == EVERY or k < 9 or near_the_end or near_a_block_edge:
+            snapshot = through_the_wire(source.export_request("r", "copy"))
+            assert destination.reset_prefix_cache()  # as fresh as a new engine
+            destination.import_request(snapshot)
+            resumed[k] = run_to_end(destination, "r")
+            assert_idle(destination)
         source.step()
+        k += 1
     assert_idle(source)
+    if steps == EDGES:
+        assert len(resumed) < k  # else the case belongs to the every-step tier
     return reference, resumed
 
 
-@pytest.mark.parametrize("budget", [64, 256])
-@pytest.mark.parametrize("length", [1, 16, 17, 300])
-def test_export_at_every_step_greedy(tiny_model_dir, length, budget):
-    reference, resumed = exports_at_every_step(tiny_model_dir, prompt_of(length), GREEDY, budget)
-    assert len(resumed) >= 64
-    for k, output in enumerate(resumed):
+def over_steps(*cases, every_in_default=()):
+    """pytest params: each case with EDGES exports in the default tier and EVERY under `-m slow`;
+    the cases in `every_in_default` run EVERY in the default tier (and only that)."""
+    params = []
+    for case in cases:
+        if case in every_in_default:
+            params.append(pytest.param(*case, EVERY, id=f"{'-'.join(map(str, case))}-{EVERY}"))
+            continue
+        params.append(pytest.param(*case, EDGES, id=f"{'-'.join(map(str, case))}-{EDGES}"))
+        params.append(pytest.param(*case, EVERY, id=f"{'-'.join(map(str, case))}-{EVERY}", marks=pytest.mark.slow))
+    return params
+
+
+GREEDY_CASES = [(length, budget) for budget in (64, 256) for length in (1, 16, 17, 300)]
+
+
+@pytest.mark.parametrize("length, budget, steps", over_steps(*GREEDY_CASES, every_in_default=[(300, 64)]))
+def test_export_at_every_step_greedy(tiny_model_dir, length, budget, steps):
+    """(300, 64) exports at every step in the default tier: mid-prefill chunks, the first decode
+    and each decode step."""
+    reference, resumed = exports_at_every_step(tiny_model_dir, prompt_of(length), GREEDY, budget, steps)
+    assert max(resumed) + 1 >= 64  # the last step is always exported
+    for k, output in resumed.items():
         assert output.outputs[0].token_ids == reference.outputs[0].token_ids, f"export after step {k}"
         assert output.outputs[0].text == reference.outputs[0].text, f"export after step {k}"
 
 
-@pytest.mark.parametrize("length", [17, 300])
-def test_export_at_every_step_seeded(tiny_model_dir, length):
-    reference, resumed = exports_at_every_step(tiny_model_dir, prompt_of(length, 1), SEEDED, 64)
-    for k, output in enumerate(resumed):
+@pytest.mark.parametrize("length, steps", over_steps((17,), (300,)))
+def test_export_at_every_step_seeded(tiny_model_dir, length, steps):
+    reference, resumed = exports_at_every_step(tiny_model_dir, prompt_of(length, 1), SEEDED, 64, steps)
+    for k, output in resumed.items():
         assert output.outputs[0].token_ids == reference.outputs[0].token_ids, f"export after step {k}"
 
 
@@ -251,4 +282,4 @@ def test_a_constrained_request_resumes_inside_its_grammar(tiny_model_dir):
     reference, resumed = exports_at_every_step(tiny_model_dir, prompt_of(20), params, 64)
     assert re.fullmatch(email, reference.outputs[0].text) and reference.outputs[0].finish_reason == "stop"
     assert len(resumed) > 3
-    assert all(r.outputs[0].token_ids == reference.outputs[0].token_ids for r in resumed)
+    assert all(r.outputs[0].token_ids == reference.outputs[0].token_ids for r in resumed.values())

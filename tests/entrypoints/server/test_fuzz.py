@@ -16,12 +16,12 @@ Properties:
   that field (not coerced: "4" and 4.0 and true are not integers);
 - the hostile requests of the issue do not disturb a bystander stream that runs meanwhile.
 
-The random part (1,300 hypothesis cases) finds crashes in odd combinations; a value that
-breaks only one field is rare among them, so two grids send each hostile number to each
-numeric field and each wrong type to each typed field (about 1,800 requests, not random).
-hypothesis runs derandomized (the same cases on every run, no example database). Run with
-`pytest tests/entrypoints/server/test_fuzz.py` (about 25 s on 2 cores); FUZZ_EXAMPLES=2
-doubles the random cases, 0.1 cuts them to a tenth.
+The random part (1,300 hypothesis cases under `-m slow`, a quarter of them in the default tier)
+finds crashes in odd combinations; a value that breaks only one field is rare among them, so two
+grids send each hostile number to each numeric field and each wrong type to each typed field
+(about 1,800 requests, not random, in both tiers). hypothesis runs derandomized (the same cases
+on every run, no example database). FUZZ_EXAMPLES=2 doubles the random cases, 0.1 cuts them to
+a tenth.
 """
 
 from __future__ import annotations
@@ -52,11 +52,6 @@ from tests.server_process import stop_server
 VOCAB = 49152  # the default tokenizer's, which the tiny model uses
 SCALE = float(os.environ.get("FUZZ_EXAMPLES", "1"))
 SANITY_EVERY = 50
-
-
-def fuzz_settings(examples: int) -> settings:
-    return settings(max_examples=max(1, int(examples * SCALE)), deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck), print_blob=False)
 
 
 # ----- writing JSON by hand ----------------------------------------------------------------------
@@ -336,28 +331,48 @@ def fuzz_one(http: httpx.Client, sanity: Sanity, path: str, content: bytes) -> N
 # ----- the fuzz tests ----------------------------------------------------------------------------
 
 
-@fuzz_settings(500)
-@given(st.data())
-def test_fuzz_completions(http, sanity, data):
-    fuzz_one(http, sanity, "/v1/completions", data.draw(mangle(dump(data.draw(completion_body)))))
+# The default tier runs a quarter of the random cases (the grids and the bystander cases below
+# stay whole); `-m slow` runs them all.
+FUZZ_SHARES = [pytest.param(0.25, id="quarter"), pytest.param(1.0, id="all", marks=pytest.mark.slow)]
 
 
-@fuzz_settings(400)
-@given(st.data())
-def test_fuzz_chat_completions(http, sanity, data):
-    fuzz_one(http, sanity, "/v1/chat/completions", data.draw(mangle(dump(data.draw(chat_body)))))
+def run_hypothesis(examples: int, share: float, check, **strategies) -> None:
+    """Run `check` on `share` of `examples` hypothesis cases drawn from `strategies`."""
+    settings(max_examples=max(1, int(examples * share * SCALE)), deadline=None, derandomize=True, database=None,
+             suppress_health_check=list(HealthCheck), print_blob=False)(given(**strategies)(check))()
 
 
-@fuzz_settings(300)
-@given(st.data())
-def test_fuzz_generate(http, sanity, data):
-    fuzz_one(http, sanity, "/generate", data.draw(mangle(dump(data.draw(generate_body)))))
+@pytest.mark.parametrize("share", FUZZ_SHARES)
+def test_fuzz_completions(http, sanity, share):
+    def check(data):
+        fuzz_one(http, sanity, "/v1/completions", data.draw(mangle(dump(data.draw(completion_body)))))
+
+    run_hypothesis(500, share, check, data=st.data())
 
 
-@fuzz_settings(100)
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/generate"]), value=junk)
-def test_fuzz_whole_body_junk(http, sanity, path, value):
-    fuzz_one(http, sanity, path, dump(value).encode("utf-8", "surrogatepass"))
+@pytest.mark.parametrize("share", FUZZ_SHARES)
+def test_fuzz_chat_completions(http, sanity, share):
+    def check(data):
+        fuzz_one(http, sanity, "/v1/chat/completions", data.draw(mangle(dump(data.draw(chat_body)))))
+
+    run_hypothesis(400, share, check, data=st.data())
+
+
+@pytest.mark.parametrize("share", FUZZ_SHARES)
+def test_fuzz_generate(http, sanity, share):
+    def check(data):
+        fuzz_one(http, sanity, "/generate", data.draw(mangle(dump(data.draw(generate_body)))))
+
+    run_hypothesis(300, share, check, data=st.data())
+
+
+@pytest.mark.parametrize("share", FUZZ_SHARES)
+def test_fuzz_whole_body_junk(http, sanity, share):
+    def check(path, value):
+        fuzz_one(http, sanity, path, dump(value).encode("utf-8", "surrogatepass"))
+
+    run_hypothesis(100, share, check, path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/generate"]),
+                   value=junk)
 
 
 GRID_FIELDS = {
