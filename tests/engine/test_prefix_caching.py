@@ -1,5 +1,5 @@
-"""Prefix caching on the default SmolLM2 model: greedy outputs do not change, and a shared
-prefix is computed once."""
+"""Prefix caching on the tiny model (behaviour: no real weights needed): greedy outputs do not
+change, and a shared prefix is computed once."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import random
 import pytest
 
 from chunkserve import LLM, SamplingParams
+from tests.engine.tiny_llm_support import TINY, build_llm
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SYSTEM = ("You are a patient tutor. Answer in plain words, give one example, and end with a short "
@@ -36,9 +37,14 @@ def generate_in_waves(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def uncached(default_llm):
+def tiny(tiny_gguf) -> LLM:
+    return build_llm(TINY, tiny_gguf, max_num_batched_tokens=64, max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_gguf):
     """Reference outputs with caching off."""
-    llm = LLM(max_num_batched_tokens=512, kv_cache_memory_gb=0.25, enable_prefix_caching=False)
+    llm = build_llm(TINY, tiny_gguf, max_num_batched_tokens=512, enable_prefix_caching=False)
     prompts = conversations(llm)
     outputs = generate_in_waves(llm, prompts)
     assert sum(r.prefix_cache_hits for r in llm.get_step_records()) == 0
@@ -46,13 +52,14 @@ def uncached(default_llm):
 
 
 @pytest.mark.parametrize("engine_args", [
-    dict(max_num_batched_tokens=16, max_num_seqs=16, kv_cache_memory_gb=0.25),
-    dict(max_num_batched_tokens=512, kv_cache_memory_gb=0.25),
-    dict(num_kv_blocks=16, block_size=16, max_num_batched_tokens=64),
+    dict(max_num_batched_tokens=16, max_num_seqs=16),
+    dict(max_num_batched_tokens=512),
+    # (a KV pool must hold max_model_len: 256 tokens hold the longest chat and its 8 tokens)
+    dict(num_kv_blocks=16, block_size=16, max_num_batched_tokens=64, tiny_max_model_len=256),
 ], ids=["budget16", "budget512", "tiny-pool"])
-def test_greedy_outputs_are_the_same_with_caching_on_and_off(uncached, engine_args):
+def test_greedy_outputs_are_the_same_with_caching_on_and_off(tiny_gguf, uncached, engine_args):
     prompts, expected = uncached
-    llm = LLM(**engine_args)
+    llm = build_llm(TINY, tiny_gguf, **engine_args)
     assert generate_in_waves(llm, prompts) == expected
     records = llm.get_step_records()
     hits = sum(r.prefix_cache_hits for r in records)
@@ -66,14 +73,14 @@ def test_greedy_outputs_are_the_same_with_caching_on_and_off(uncached, engine_ar
     assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
 
 
-def test_a_shared_512_token_prefix_is_computed_once(default_llm):
+def test_a_shared_512_token_prefix_is_computed_once(tiny):
     rng = random.Random(512)
     prefix = [rng.randrange(100, 40000) for _ in range(512)]
-    first = default_llm.generate(prefix + [rng.randrange(100, 40000) for _ in range(20)], PARAMS, use_tqdm=False)[0]
-    before = len(default_llm.get_step_records())
+    first = tiny.generate(prefix + [rng.randrange(100, 40000) for _ in range(20)], PARAMS, use_tqdm=False)[0]
+    before = len(tiny.get_step_records())
     suffix = [rng.randrange(100, 40000) for _ in range(37)]
-    second = default_llm.generate(prefix + suffix, PARAMS, use_tqdm=False)[0]
-    records = default_llm.get_step_records()[before:]
+    second = tiny.generate(prefix + suffix, PARAMS, use_tqdm=False)[0]
+    records = tiny.get_step_records()[before:]
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 512
     assert sum(r.num_prefill_tokens for r in records) == 37
     assert records[0].prefix_cache_hits == 512 and records[0].prefix_cache_queries == 549

@@ -2,7 +2,10 @@
 "always" so every draft found is verified): greedy tokens and logprobs equal an engine
 without speculation under every budget and beside a long prefill; rejected drafts never
 reach the prefix cache; stops, max_tokens, preemption and aborts inside draft runs; seeded
-sampling; tensor parallelism 2 with drafts. The draft-model method over HTTP (and its
+sampling; tensor parallelism 2 with drafts. A draft model's first proposals are checked on the
+tiny model drafting for itself (every draft accepted, whatever its weights). The behaviour checks
+stay on SmolLM2: the tiny random model never repeats its context, so n-gram drafts are never
+accepted there, even with single-token lookups. The draft-model method over HTTP (and its
 /metrics) is in tests/entrypoints/server/test_speculative_server.py."""
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ import pytest
 import torch
 
 from chunkserve import LLM, SamplingParams
-from chunkserve.config.model import default_model_path
 from chunkserve.core.kv.kv_cache_manager import ROOT_HASH, hash_block
 from tests.engine.support import assert_pool_free
+from tests.engine.tiny_llm_support import TINY, build_llm
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
          "policy": "always"}
@@ -461,9 +464,11 @@ def test_seeded_sampling_with_drafts_is_reproducible(spec, prompts):
 # ----- the draft model's proposals ---------------------------------------------------------------
 
 
-def test_a_draft_model_proposes_from_the_step_that_finishes_the_prompt(plain):
-    llm = LLM(max_num_batched_tokens=512, kv_cache_memory_gb=0.25, speculative_config={
-        "method": "draft_model", "model": default_model_path(), "num_speculative_tokens": 3, "policy": "always"})
+def test_a_draft_model_proposes_from_the_step_that_finishes_the_prompt(tiny_gguf):
+    """The tiny model drafting for itself: its greedy drafts are its own tokens, all accepted."""
+    plain = build_llm(TINY, tiny_gguf, max_num_batched_tokens=512)
+    llm = build_llm(TINY, tiny_gguf, max_num_batched_tokens=512, speculative_config={
+        "method": "draft_model", "model": tiny_gguf, "num_speculative_tokens": 3, "policy": "always"})
     prompt = chat(plain, QUESTIONS[0])
     with watching(llm) as log:
         output = token_ids(llm.generate(prompt, SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),

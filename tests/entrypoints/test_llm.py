@@ -1,5 +1,7 @@
-"""The offline API on the default SmolLM2 model: transformers' greedy tokens, the same
-output under every scheduler configuration, stops, seeds, aborts and bad input."""
+"""The offline API: on the default SmolLM2 model transformers' greedy tokens and logprobs, answers,
+EOS, stops, seeds, aborts and bad input; the same output under every scheduler configuration and
+under preemption on the tiny model (on SmolLM2 too in the slow tier; the SLO configurations, which
+plan on a real cost curve, on SmolLM2 in every tier)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 
 from chunkserve import LLM, InvalidRequestError, SamplingParams
 from tests.engine.support import assert_pool_free
+from tests.engine.tiny_llm_support import SMOLLM2, TINY, build_llm, over_models
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -16,6 +19,9 @@ QUESTIONS = [
     "List three prime numbers.",
 ]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+# The mixed-length prompts (up to 399 tokens) and their 10 tokens fit; 40 blocks of 16 hold it, so the
+# preemption test's pool is small enough to preempt yet valid.
+TINY_MAX_MODEL_LEN = 512
 
 
 def chat_prompts(llm: LLM, questions=QUESTIONS) -> list[list[int]]:
@@ -47,27 +53,48 @@ def test_greedy_tokens_equal_transformers_generate(default_llm, hf_default_model
 
 
 @pytest.fixture(scope="module")
-def reference_outputs(default_llm):
-    prompts = mixed_length_prompts(default_llm)
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    return prompts, params, [o.outputs[0].token_ids for o in default_llm.generate(prompts, params, use_tqdm=False)]
+def reference_outputs(request, tiny_gguf):
+    """Per model: the mixed-length prompts and their greedy tokens on a budget-64 engine."""
+    cache = {}
+
+    def compute(model: str):
+        if model not in cache:
+            llm = (request.getfixturevalue("default_llm") if model == SMOLLM2 else
+                   build_llm(TINY, tiny_gguf, TINY_MAX_MODEL_LEN, max_num_batched_tokens=64, max_num_seqs=32))
+            prompts = mixed_length_prompts(llm)
+            params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+            cache[model] = prompts, params, [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                                        use_tqdm=False)]
+        return cache[model]
+
+    return compute
 
 
-@pytest.mark.parametrize("engine_args", [
-    dict(enable_chunked_prefill=False),
-    dict(max_num_batched_tokens=16, max_num_seqs=16),
-    dict(max_num_batched_tokens=512),
-    dict(max_num_batched_tokens=64, enable_mixed_batch=False),
-    dict(max_num_batched_tokens=128, long_prefill_token_threshold=32, max_num_partial_prefills=3),
-    dict(max_num_batched_tokens=128, chunk_align=64),
-    dict(max_num_batched_tokens=256, chunk_schedule="256:64:4:256"),
-    dict(max_num_batched_tokens=256, tbt_slo_ms=60),
-    dict(ttft_slo_ms=300, long_prefill_token_threshold=64, max_num_partial_prefills=4, max_long_partial_prefills=2),
-], ids=["no-chunking", "budget16", "budget512", "no-mixing", "threshold32", "align64", "decreasing", "tbt-slo",
-        "ttft-slo"])
-def test_outputs_identical_under_every_scheduler_configuration(reference_outputs, engine_args):
-    prompts, params, expected = reference_outputs
-    llm = LLM(kv_cache_memory_gb=0.25, **engine_args)
+SCHEDULER_CONFIGURATIONS = {
+    "no-chunking": dict(enable_chunked_prefill=False),
+    "budget16": dict(max_num_batched_tokens=16, max_num_seqs=16),
+    "budget512": dict(max_num_batched_tokens=512),
+    "no-mixing": dict(max_num_batched_tokens=64, enable_mixed_batch=False),
+    "threshold32": dict(max_num_batched_tokens=128, long_prefill_token_threshold=32, max_num_partial_prefills=3),
+    "align64": dict(max_num_batched_tokens=128, chunk_align=64),
+    "decreasing": dict(max_num_batched_tokens=256, chunk_schedule="256:64:4:256"),
+}
+# The SLO configurations plan steps on the start-up profile of the model's cost curve: a random tiny
+# model's curve is flat noise, so they run on SmolLM2 in every tier.
+SLO_CONFIGURATIONS = {
+    "tbt-slo": dict(max_num_batched_tokens=256, tbt_slo_ms=60),
+    "ttft-slo": dict(ttft_slo_ms=300, long_prefill_token_threshold=64, max_num_partial_prefills=4,
+                     max_long_partial_prefills=2),
+}
+
+
+@pytest.mark.parametrize("model, engine_args", [
+    *over_models(*SCHEDULER_CONFIGURATIONS.values(), ids=list(SCHEDULER_CONFIGURATIONS)),
+    *[pytest.param(SMOLLM2, args, id=f"{SMOLLM2}-{name}") for name, args in SLO_CONFIGURATIONS.items()],
+])
+def test_outputs_identical_under_every_scheduler_configuration(reference_outputs, tiny_gguf, model, engine_args):
+    prompts, params, expected = reference_outputs(model)
+    llm = build_llm(model, tiny_gguf, TINY_MAX_MODEL_LEN, **engine_args)
     profiled = llm.engine.engine_core.predictor.fitted  # before any request: the start-up profile ran
     assert llm.engine.engine_core.predictor.margin == 1.0, "the profile's own misses must not set the SLO margin"
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -90,9 +117,10 @@ def test_outputs_identical_under_every_scheduler_configuration(reference_outputs
     assert_pool_free(llm)
 
 
-def test_preemption_with_a_tiny_pool_keeps_outputs(reference_outputs):
-    prompts, params, expected = reference_outputs
-    llm = LLM(num_kv_blocks=40, block_size=16, max_num_batched_tokens=64)
+@pytest.mark.parametrize("model, pool", over_models(dict(num_kv_blocks=40, block_size=16)))
+def test_preemption_with_a_tiny_pool_keeps_outputs(reference_outputs, tiny_gguf, model, pool):
+    prompts, params, expected = reference_outputs(model)
+    llm = build_llm(model, tiny_gguf, TINY_MAX_MODEL_LEN, max_num_batched_tokens=64, **pool)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert sum(r.num_preemptions for r in llm.get_step_records()) > 0

@@ -1,7 +1,8 @@
-"""Speculative decoding through the real server: the default model drafting for itself
-(`--speculative-config` method draft_model, policy always) gives the engine's greedy text
-without speculation, and /metrics counts every draft accepted: acceptance rate 1.0 and mean
-acceptance length k + 1 (vLLM's spec_decode_* counters)."""
+"""Speculative decoding through the real server: the tiny model (tests/tiny_model.py) drafting
+for itself (`--speculative-config` method draft_model, policy always) gives the engine's greedy
+text without speculation, and /metrics counts every draft accepted: acceptance rate 1.0 and mean
+acceptance length k + 1 (vLLM's spec_decode_* counters). A model's own greedy drafts are all
+accepted whatever its weights, so the random tiny model checks this as well as a real one."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import json
 import pytest
 
 from chunkserve import SamplingParams
-from chunkserve.config.model import default_model_path
+from tests.engine.tiny_llm_support import TINY, build_llm
 from tests.server_process import start_server, stop_server
+from tests.tiny_model import TINY_SERVER_ENV, tiny_server_flags
 
 K = 3
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -32,20 +34,26 @@ def per_pos(position: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def self_draft_server(tmp_path_factory):
-    config = {"method": "draft_model", "model": default_model_path(), "num_speculative_tokens": K,
-              "policy": "always"}
-    started = start_server(tmp_path_factory, "--max-num-batched-tokens", "256", "--max-num-seqs", "16",
-                           "--speculative-config", json.dumps(config), name="self-draft-server")
+def self_draft_server(tmp_path_factory, tiny_gguf):
+    config = {"method": "draft_model", "model": tiny_gguf, "num_speculative_tokens": K, "policy": "always"}
+    started = start_server(tmp_path_factory, *tiny_server_flags(tiny_gguf), "--max-num-batched-tokens", "256",
+                           "--max-num-seqs", "16", "--speculative-config", json.dumps(config),
+                           name="self-draft-server", env=TINY_SERVER_ENV)
     yield started
     stop_server(started)
 
 
-def test_self_draft_accepts_every_draft(self_draft_server, default_llm):
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_gguf):
+    """The same model without speculation: the text the server must give."""
+    return build_llm(TINY, tiny_gguf, max_num_batched_tokens=256, max_num_seqs=16)
+
+
+def test_self_draft_accepts_every_draft(self_draft_server, tiny_llm):
     server = self_draft_server
-    prompts = [default_llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts = [tiny_llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    expected = default_llm.generate(prompts, params, use_tqdm=False)
+    expected = tiny_llm.generate(prompts, params, use_tqdm=False)
     before = server.metrics()
     assert before[DRAFTS] == before[DRAFT_TOKENS] == before[ACCEPTED] == 0
     with server.client() as http:
@@ -54,7 +62,7 @@ def test_self_draft_accepts_every_draft(self_draft_server, default_llm):
             "skip_special_tokens": False})
     assert response.status_code == 200, response.text
     choices = sorted(response.json()["choices"], key=lambda c: c["index"])
-    tokenizer = default_llm.get_tokenizer()
+    tokenizer = tiny_llm.get_tokenizer()
     for choice, reference in zip(choices, expected):
         assert choice["finish_reason"] == "length"
         assert choice["text"] == tokenizer.decode(reference.outputs[0].token_ids, skip_special_tokens=False)
