@@ -4,46 +4,18 @@ holds finished requests' blocks until it has "sent" them."""
 
 from __future__ import annotations
 
-from chunkserve.core.kv_connector import KVConnectorScheduler, NoOpConnector
+from chunkserve.core.kv_connector import NoOpConnector
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from tests.core.support import (
     BLOCK,
+    FakeRemoteConnector,
     FakeRunner,
     assert_pool_free,
     make_request,
     make_scheduler,
     run,
 )
-
-
-class FakeRemoteConnector(KVConnectorScheduler):
-    """Requests named remote-* find all but their last block elsewhere, loaded asynchronously;
-    every finished request's blocks are sent before they may be freed."""
-
-    def __init__(self) -> None:
-        self.to_load: dict[str, tuple[list[int], int]] = {}  # request id -> (block ids, tokens)
-        self.sending: list[str] = []
-        self.external: dict[str, int] = {}
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        if not request.request_id.startswith("remote") or request.num_preemptions:
-            return 0, False
-        available = (request.num_tokens - 1) // BLOCK * BLOCK - num_computed_tokens
-        return max(available, 0), True
-
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        self.external[request.request_id] = num_external_tokens
-        self.to_load[request.request_id] = (list(block_ids), request.num_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> dict:
-        meta = {"load": self.to_load, "send": self.sending}
-        self.to_load, self.sending = {}, []
-        return meta
-
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self.sending.append(request.request_id)
-        return True, {"blocks": list(block_ids)}
 
 
 class ConnectedRunner(FakeRunner):

@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 
 from chunkserve import LLM, SamplingParams
+from chunkserve.config.limits import RequestLimits
+from chunkserve.config.model import resolve_model
 from chunkserve.engine.core import EngineCore
-from chunkserve.engine.messages import EngineCoreRequest
+from chunkserve.engine.input_processor import InputProcessor
+from chunkserve.engine.messages import EngineCoreRequest, EngineInfo
 
 
 def assert_pool_free(llm: LLM) -> None:
@@ -61,3 +64,12 @@ def save_tiny_llama(folder, tokenizer):
 
 
 PROMPTS = [[1000 + 37 * i + j for j in range(5 + 3 * i)] for i in range(8)]
+
+
+def processor(tokenizer) -> InputProcessor:
+    limits = RequestLimits(max_prompt_chars=LIMIT, max_stop_sequences=4, max_stop_sequence_chars=64,
+                           max_stop_token_ids=4, max_logit_bias=4)
+    return InputProcessor(tokenizer, resolve_model(None), EngineInfo("m", 2048, len(tokenizer)), limits)
+
+
+LIMIT = 4096

@@ -9,11 +9,9 @@ import copy
 
 import pytest
 
-from chunkserve.config.limits import RequestLimits
-from chunkserve.config.model import resolve_model
 from chunkserve.engine.input_processor import InputProcessor
-from chunkserve.engine.messages import EngineInfo
 from chunkserve.errors import InvalidRequestError
+from tests.engine.support import LIMIT, processor
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PREFILLED = [*CHAT, {"role": "assistant", "content": "The capital of France is"}]
@@ -22,13 +20,6 @@ TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|im_end
             "{% if documents %}{% for d in documents %}<doc {{ d['title'] }}>{{ d['text'] }}</doc>{% endfor %}"
             "{% endif %}{% if add_generation_prompt %}[assistant]{% if enable_thinking is defined and not "
             "enable_thinking %} /no_think{% endif %}{% endif %}")
-LIMIT = 4096
-
-
-def processor(tokenizer) -> InputProcessor:
-    limits = RequestLimits(max_prompt_chars=LIMIT, max_stop_sequences=4, max_stop_sequence_chars=64,
-                           max_stop_token_ids=4, max_logit_bias=4)
-    return InputProcessor(tokenizer, resolve_model(None), EngineInfo("m", 2048, len(tokenizer)), limits)
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,7 @@ class LoadingExecutor(SimulatedExecutor):
 
 
 def test_kv_progress_reported_by_a_step_with_nothing_scheduled_is_not_lost(model_config):
-    from tests.core.test_kv_connector import FakeRemoteConnector
+    from tests.core.support import FakeRemoteConnector
 
     core = EngineCore(EngineArgs(max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64, max_model_len=256,
                                  block_size=4), LoadingExecutor(model_config, 64), kv_connector=FakeRemoteConnector())

@@ -484,7 +484,7 @@ def test_a_draft_model_proposes_from_the_step_that_finishes_the_prompt(tiny_gguf
 
 
 def test_tp2_with_ngram_drafts_equals_tp1(tmp_path, default_tokenizer):
-    from tests.executor.test_parallel import assert_same, prompts_of, tiny_llama
+    from tests.executor.support import assert_same, prompts_of, tiny_llama
 
     model = tiny_llama(tmp_path, default_tokenizer, 2)
     prompts = prompts_of(default_tokenizer)

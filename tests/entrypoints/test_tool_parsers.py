@@ -349,7 +349,7 @@ HISTORY = [*USER,
 
 
 def test_tool_messages_reach_the_template_in_its_shape(default_tokenizer):
-    from tests.engine.test_chat_template_fields import processor
+    from tests.engine.support import processor
 
     body = ChatCompletionRequest.model_validate_json(json.dumps({"messages": HISTORY, "tools": TOOLS}))
     messages = [m.as_template_message() for m in body.messages]

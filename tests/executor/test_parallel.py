@@ -11,7 +11,7 @@ import torch
 
 from chunkserve import LLM, InvalidRequestError, SamplingParams
 from tests.engine.support import assert_pool_free
-from tests.executor.support import tiny_llama
+from tests.executor.support import STORY, assert_same, prompts_of, tiny_llama
 
 TOL = 1e-4
 HF_TOL = 2e-3  # transformers' attention sums in another order over the whole sequence
@@ -20,17 +20,6 @@ HF_TOL = 2e-3  # transformers' attention sums in another order over the whole se
 @pytest.fixture(scope="module", params=[2, 1], ids=["2-kv-heads", "1-kv-head-replicated"])
 def tiny_dir(request, tmp_path_factory, default_tokenizer):
     return tiny_llama(tmp_path_factory.mktemp(f"tiny-kv{request.param}"), default_tokenizer, request.param)
-
-
-STORY = ("The lighthouse keeper climbed the stairs each evening, counting steps and listening to the gulls "
-         "over the grey water while the ships went by. ") * 20
-
-
-def prompts_of(tokenizer) -> list[list[int]]:
-    """Prompts of very different lengths (1 to 450 tokens), sent together: more than one step of
-    the largest budget, so decodes and prompt chunks share steps (mixed)."""
-    ids = tokenizer.encode(STORY)
-    return [ids[:1], ids[3:20], ids[:150], ids[10:75], ids[:64] + ids[100:110], ids[200:650]]
 
 
 def prefix_hit_prompt(tokenizer) -> list[int]:
@@ -42,14 +31,6 @@ def prefix_hit_prompt(tokenizer) -> list[int]:
 def run(llm: LLM, prompts, max_tokens: int = 12):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5, ignore_eos=True)
     return llm.generate(prompts, params, use_tqdm=False)
-
-
-def assert_same(got, expected, tol: float):
-    for a, b in zip(got, expected):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):  # vLLM's dicts: the sampled token, the top k
-            assert list(x) == list(y)
-            assert [e.logprob for e in x.values()] == pytest.approx([e.logprob for e in y.values()], abs=tol)
 
 
 def hf_logprobs(model_dir: str, prompt: list[int], tokens: list[int]) -> list[float]:
