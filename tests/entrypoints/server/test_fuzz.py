@@ -342,28 +342,20 @@ def run_hypothesis(examples: int, share: float, check, **strategies) -> None:
              suppress_health_check=list(HealthCheck), print_blob=False)(given(**strategies)(check))()
 
 
-@pytest.mark.parametrize("share", FUZZ_SHARES)
-def test_fuzz_completions(http, sanity, share):
-    def check(data):
-        fuzz_one(http, sanity, "/v1/completions", data.draw(mangle(dump(data.draw(completion_body)))))
-
-    run_hypothesis(500, share, check, data=st.data())
+# each endpoint's body strategy and its number of random cases (before the share)
+ENDPOINT_CASES = {"/v1/completions": (completion_body, 500), "/v1/chat/completions": (chat_body, 400),
+                  "/generate": (generate_body, 300)}
 
 
 @pytest.mark.parametrize("share", FUZZ_SHARES)
-def test_fuzz_chat_completions(http, sanity, share):
+@pytest.mark.parametrize("path", list(ENDPOINT_CASES))
+def test_fuzz_each_endpoint(http, sanity, path, share):
+    body, examples = ENDPOINT_CASES[path]
+
     def check(data):
-        fuzz_one(http, sanity, "/v1/chat/completions", data.draw(mangle(dump(data.draw(chat_body)))))
+        fuzz_one(http, sanity, path, data.draw(mangle(dump(data.draw(body)))))
 
-    run_hypothesis(400, share, check, data=st.data())
-
-
-@pytest.mark.parametrize("share", FUZZ_SHARES)
-def test_fuzz_generate(http, sanity, share):
-    def check(data):
-        fuzz_one(http, sanity, "/generate", data.draw(mangle(dump(data.draw(generate_body)))))
-
-    run_hypothesis(300, share, check, data=st.data())
+    run_hypothesis(examples, share, check, data=st.data())
 
 
 @pytest.mark.parametrize("share", FUZZ_SHARES)
