@@ -8,7 +8,10 @@ by the C++ kernel on the GGUF blocks the default model ships (Q4_1 layers, a Q8_
 and by oneDNN on float32 weights reordered for it at load. This is how the row ranges in
 chunkserve/ops/cpp_ops.py were chosen. Weights are random: only shapes matter here.
 
-    .venv/bin/python benchmarks/small_batch_linear.py [--rows 1 8 16 32 64] [--repeats 5]
+    .venv/bin/python benchmarks/small_batch_linear.py [--rows 1 8 16 32 64] [--repeats 5] [--cpu-isa avx2]
+
+`--cpu-isa` runs the C++ kernels with another instruction set the CPU has (default: its best;
+the AVX-512 block kernel reads the blocks in registers, the AVX2 one through an L1 buffer).
 """
 
 from __future__ import annotations
@@ -43,8 +46,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48, 64])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cpu-isa", choices=["avx512", "avx2", "portable"], default=None)
     args = parser.parse_args()
     ops = build_cpp_ops()
+    if args.cpu_isa:
+        ops.set_cpu_isa(args.cpu_isa)
+    print(f"C++ kernels: {ops.cpu_isa()}")
     weights, blocks, packed = {}, {}, {}
     for name, shape in SHAPES.items():
         copies = 1 if name == "lm_head" else LAYERS

@@ -8,7 +8,9 @@
   most `SMALL_BATCH_MAX_ROWS` rows, where it beats MKL's GEMM on this model's shapes (far
   from the weight-bandwidth bound at a few rows, behind the kernel's tiles at hundreds);
   `block_quantized_linear` is the same reading a GGUF model's Q4_0/Q4_1/Q8_0 blocks instead
-  of their float32 dequantization (3.8-7x fewer bytes per step, the same result).
+  of their float32 dequantization (3.8-7x fewer bytes per step, the same result); where the
+  CPU has AVX-512 it expands the blocks in registers (csrc/block_linear_avx512.cpp), chosen at
+  run time (`cpu_isa`), the AVX2 path kept for the CPUs without.
 - `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
   layer's small ops, one call each instead of a chain of torch calls.
 - Not ours but torch's: oneDNN's linear on weights packed once at load (`onednn_linear`), for
@@ -42,8 +44,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_CSRC, name)
-            for name in ("ops.cpp", "paged_attention.cpp", "prefill_attention.cpp", "small_batch_linear.cpp",
-                         "elementwise.cpp")]
+            for name in ("ops.cpp", "cpu_isa.cpp", "paged_attention.cpp", "prefill_attention.cpp",
+                         "small_batch_linear.cpp", "block_linear_avx512.cpp", "elementwise.cpp")]
 
 # Up to this many rows the C++ linear beats or equals MKL on the layer shapes of SmolLM2-135M
 # here (benchmarks/small_batch_linear.py: 1.25x at 64 rows, 1.2x at 128, 1.1x at 256, 1.05x
@@ -120,6 +122,8 @@ class CppOps:
     silu_and_mul: Callable[..., torch.Tensor]
     onednn_linear: Callable[..., torch.Tensor]
     pack_linear_weight: Callable[[torch.Tensor], torch.Tensor | None]
+    cpu_isa: Callable[[], str]  # the instruction set of the kernels that have several: avx512, avx2, portable
+    set_cpu_isa: Callable[[str], str]  # another one this CPU has (tests, benchmarks); returns the last
 
     def attention_kernels(self) -> AttentionKernels:
         return AttentionKernels(decode=self.decode_attention, prefill=self.prefill_attention)
@@ -186,7 +190,8 @@ def build_cpp_ops() -> CppOps:
                   block_quantized_linear=module.block_quantized_linear,
                   rms_norm=module.rms_norm, add_rms_norm=module.add_rms_norm,
                   rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul,
-                  onednn_linear=onednn_linear, pack_linear_weight=pack_for_onednn)
+                  onednn_linear=onednn_linear, pack_linear_weight=pack_for_onednn,
+                  cpu_isa=module.cpu_isa, set_cpu_isa=module.set_cpu_isa)
 
 
 def cpp_ops_for(backend: str) -> CppOps | None:

@@ -43,11 +43,38 @@ def quantized(weight: torch.Tensor, type_name: str) -> tuple[BlockWeight, torch.
     return BlockWeight(int(ggml_type), torch.from_numpy(blocks)), floats
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def cpu_isa(request, cpp_ops):
+    """Each instruction set the kernels with several variants can run with here: the AVX-512
+    kernels run only on a CPU that has them, the AVX2 path is kept for those that do not (and
+    checked here too, where the CPU has both)."""
+    try:
+        before = cpp_ops.set_cpu_isa(request.param)
+    except RuntimeError as error:
+        pytest.skip(f"not on this CPU: {error}")
+    yield request.param
+    cpp_ops.set_cpu_isa(before)
+
+
+def test_the_kernels_run_the_best_instruction_set_of_the_cpu(cpp_ops):
+    has_avx512 = all(flag in _cpu_flags() for flag in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+    assert cpp_ops.cpu_isa() == ("avx512" if has_avx512 else "avx2" if "avx2" in _cpu_flags() else "portable")
+    with pytest.raises(RuntimeError, match="unknown instruction set avx9"):
+        cpp_ops.set_cpu_isa("avx9")
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next(set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags"))
+
+
 @pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, SMALL_BATCH_MAX_ROWS])
-@pytest.mark.parametrize("features, depth", [(960, 576), (7, 1536), (3, 32)])
-def test_block_quantized_linear_equals_f_linear_on_the_dequantized_weight(cpp_ops, type_name, rows, features, depth):
-    """Every row tile and feature tail, over each block type's nibble or byte layout."""
+@pytest.mark.parametrize("features, depth", [(960, 576), (13, 1536), (3, 32)])
+def test_block_quantized_linear_equals_f_linear_on_the_dequantized_weight(cpp_ops, cpu_isa, type_name, rows,
+                                                                           features, depth):
+    """Every row tile and feature tail, over each block type's nibble or byte layout, with
+    each instruction set."""
     generator = torch.Generator().manual_seed(rows * features + depth)
     x = torch.randn(rows, depth, generator=generator)
     blocks, weight = quantized(torch.randn(features, depth, generator=generator), type_name)

@@ -11,7 +11,11 @@
 // The weight is either float32 or GGUF blocks of 32 weights (Q4_0, Q4_1, Q8_0: 4.5 to 8.5 bits
 // a weight instead of 32). Blocks are expanded a slice at a time into an L1 buffer, to exactly
 // the floats gguf's `dequantize` gives, and the same dot products run on the buffer: the bytes
-// read from memory shrink 3.8x (Q8_0) to 6.4x (Q4_1) and the arithmetic stays float32.
+// read from memory shrink 3.8x (Q8_0) to 6.4x (Q4_1) and the arithmetic stays float32. Where
+// the CPU has AVX-512, block_linear_avx512.cpp does the same with the blocks expanded in
+// registers instead.
+#include "block_linear.h"
+#include "cpu_isa.h"
 #include "ops.h"
 #include "simd.h"
 
@@ -20,13 +24,12 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 namespace {
 
 constexpr int kRowTile = 4;
 constexpr int64_t kSliceBytes = 32 * 1024;
-constexpr int64_t kBlockWeights = 32;
 
 // Feature tile per row count (benchmarks/small_batch_linear.py): a tile of R rows x F features
 // keeps R x F independent FMA chains (an FMA waits ~5 cycles for the one before it in its
@@ -121,18 +124,6 @@ inline float half_to_float(const uint8_t* bytes) {
 #endif
 }
 
-// The GGML block types, by their ggml_type ids; each expands 32 weights, as gguf's numpy code does.
-enum BlockType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
-
-int64_t block_bytes(int64_t type) {
-  switch (type) {
-    case kQ4_0: return 18;  // fp16 d, 16 bytes of nibbles: w = (q - 8) * d
-    case kQ4_1: return 20;  // fp16 d, fp16 m, 16 bytes of nibbles: w = q * d + m
-    case kQ8_0: return 34;  // fp16 d, 32 int8: w = q * d
-    default: return 0;
-  }
-}
-
 // Nibbles: byte j holds weight j (low half) and weight j + 16 (high half).
 template <int64_t Type>
 inline void expand_block(const uint8_t* block, float* out) {
@@ -191,10 +182,10 @@ template <class Weight>
 void linear_by_slices(const float* x, int64_t M, int64_t K, const Weight& weight, float* y, int64_t N) {
   const int64_t slice = std::max<int64_t>(1, kSliceBytes / (K * static_cast<int64_t>(sizeof(float))));
   at::parallel_for(0, N, std::max<int64_t>(slice, 64), [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(Weight::kNeedsBuffer ? slice * K : 0);
+    const std::unique_ptr<float[]> buffer(Weight::kNeedsBuffer ? new float[slice * K] : nullptr);
     for (int64_t s = begin; s < end; s += slice) {
       const int64_t count = std::min(end, s + slice) - s;
-      const float* w = weight.rows(s, count, buffer.data());
+      const float* w = weight.rows(s, count, buffer.get());
       for (int64_t m = 0; m < M; m += kRowTile) {
         const int64_t rows = std::min<int64_t>(kRowTile, M - m);
         kFeaturesByRows[rows](x + m * K, K, w, y + m * N + s, N, count);
@@ -236,6 +227,11 @@ torch::Tensor block_quantized_linear(torch::Tensor x, torch::Tensor blocks, int6
   const uint8_t* data = blocks.data_ptr<uint8_t>();
   const float* x_data = x.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
+  if (active_cpu_isa() == CpuIsa::kAvx512) {
+    block_linear_avx512(x_data, x.size(0), K, data, ggml_type, y_data, N);
+    if (bias.has_value()) y.add_(*bias);
+    return y;
+  }
   if (ggml_type == kQ4_0) linear_by_slices(x_data, x.size(0), K, BlockWeight<kQ4_0>{data, K}, y_data, N);
   if (ggml_type == kQ4_1) linear_by_slices(x_data, x.size(0), K, BlockWeight<kQ4_1>{data, K}, y_data, N);
   if (ggml_type == kQ8_0) linear_by_slices(x_data, x.size(0), K, BlockWeight<kQ8_0>{data, K}, y_data, N);

@@ -1,0 +1,130 @@
+// The linear over GGUF blocks (see small_batch_linear.cpp) with AVX-512: each block is expanded
+// to its 32 float weights in two registers and used there, by every row of a tile of rows,
+// without the round trip through an L1 buffer of the AVX2 path. A 512-bit register holds half
+// a block, so one block costs a load, two zero-extensions, two conversions and two FMAs with
+// its scale and minimum, shared by the rows of the tile. The weights are exactly the floats
+// gguf's `dequantize` gives (one rounding, as q * d + m is fused), the arithmetic float32.
+#include "block_linear.h"
+#include "cpu_isa.h"
+
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace {
+
+constexpr int kRowTile = 4;
+constexpr int64_t kSliceBytes = 32 * 1024;
+
+// Features per tile, by rows: a tile keeps R x F accumulators, 2 F weight registers and the
+// row's two halves, under the 32 registers; at one row more features keep more FMA chains going.
+template <int R>
+constexpr int kFeatureTile = R == 1 ? 8 : 4;
+
+// The 32 weights of `block`, weights 0-15 in `low` and 16-31 in `high`.
+template <int64_t Type>
+CHUNKSERVE_AVX512_TARGET inline void expand(const uint8_t* block, __m512& low, __m512& high) {
+  if constexpr (Type == kQ8_0) {
+    uint16_t bits;
+    std::memcpy(&bits, block, sizeof(bits));
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(bits));
+    const __m128i q_low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m128i q_high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
+    low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_low)), d);
+    high = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_high)), d);
+  } else {
+    __m512 d, m;
+    if constexpr (Type == kQ4_1) {
+      uint32_t bits;  // d then m
+      std::memcpy(&bits, block, sizeof(bits));
+      const __m128 scales = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
+      d = _mm512_broadcastss_ps(scales);
+      m = _mm512_broadcastss_ps(_mm_movehdup_ps(scales));
+    } else {  // (q - 8) * d = q * d - 8 d, exactly: the fused form rounds once, as the product does
+      uint16_t bits;
+      std::memcpy(&bits, block, sizeof(bits));
+      d = _mm512_set1_ps(_cvtsh_ss(bits));
+      m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+    }
+    // byte j holds weight j (low nibble) and weight j + 16 (high nibble)
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (Type == kQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m512 q_low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask)));
+    const __m512 q_high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
+    low = _mm512_fmadd_ps(q_low, d, m);
+    high = _mm512_fmadd_ps(q_high, d, m);
+  }
+}
+
+// y[r * ldy + f] = x[r] . w[f] for R rows of x (K floats apart) and F weight rows of blocks
+// (row_bytes apart).
+template <int64_t Type, int R, int F>
+CHUNKSERVE_AVX512_TARGET void tile(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
+                                   int64_t ldy) {
+  constexpr int64_t kBytes = Type == kQ4_0 ? 18 : (Type == kQ4_1 ? 20 : 34);
+  __m512 acc[R][F];
+  for (int r = 0; r < R; ++r)
+    for (int f = 0; f < F; ++f) acc[r][f] = _mm512_setzero_ps();
+  const int64_t blocks = K / kBlockWeights;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 low[F], high[F];
+#pragma GCC unroll 8
+    for (int f = 0; f < F; ++f) expand<Type>(w + f * row_bytes + b * kBytes, low[f], high[f]);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 x_low = _mm512_loadu_ps(x + r * K + b * kBlockWeights);
+      const __m512 x_high = _mm512_loadu_ps(x + r * K + b * kBlockWeights + 16);
+#pragma GCC unroll 8
+      for (int f = 0; f < F; ++f) acc[r][f] = _mm512_fmadd_ps(x_high, high[f], _mm512_fmadd_ps(x_low, low[f], acc[r][f]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int f = 0; f < F; ++f) y[r * ldy + f] = _mm512_reduce_add_ps(acc[r][f]);
+}
+
+// The features [first, first + count) of R rows.
+template <int64_t Type, int R>
+CHUNKSERVE_AVX512_TARGET void features(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
+                                       int64_t N, int64_t first, int64_t count) {
+  constexpr int F = kFeatureTile<R>;
+  int64_t n = first;
+  for (; n + F <= first + count; n += F) tile<Type, R, F>(x, K, w + n * row_bytes, row_bytes, y + n, N);
+  for (; n < first + count; ++n) tile<Type, R, 1>(x, K, w + n * row_bytes, row_bytes, y + n, N);
+}
+
+// Features [begin, end) of every row, a slice of features at a time (its blocks stay in L1
+// while each tile of rows reads them).
+template <int64_t Type>
+CHUNKSERVE_AVX512_TARGET void feature_range(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y,
+                                            int64_t N, int64_t begin, int64_t end) {
+  const int64_t row_bytes = K / kBlockWeights * block_bytes(Type);
+  const int64_t slice = std::max<int64_t>(1, kSliceBytes / row_bytes);
+  for (int64_t s = begin; s < end; s += slice) {
+    const int64_t count = std::min(end, s + slice) - s;
+    for (int64_t m = 0; m < M; m += kRowTile) {
+      const float* rows = x + m * K;
+      float* out = y + m * N;
+      switch (std::min<int64_t>(kRowTile, M - m)) {
+        case 1: features<Type, 1>(rows, K, w, row_bytes, out, N, s, count); break;
+        case 2: features<Type, 2>(rows, K, w, row_bytes, out, N, s, count); break;
+        case 3: features<Type, 3>(rows, K, w, row_bytes, out, N, s, count); break;
+        default: features<Type, 4>(rows, K, w, row_bytes, out, N, s, count); break;
+      }
+    }
+  }
+}
+
+using FeatureRangeFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, float*, int64_t, int64_t, int64_t);
+
+}  // namespace
+
+void block_linear_avx512(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t type, float* y,
+                         int64_t N) {
+  const FeatureRangeFn range = type == kQ4_0 ? feature_range<kQ4_0>
+                               : type == kQ4_1 ? feature_range<kQ4_1>
+                                               : feature_range<kQ8_0>;
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { range(x, M, K, blocks, y, N, begin, end); });
+}
