@@ -56,6 +56,13 @@ class AttentionMetadata:
     kernels: AttentionKernels | None = None  # the in-place C++ ops; None: gather in torch
     kv_connector: KVConnectorWorker | None = None  # told when each layer's KV may be read and was written
 
+    def in_place_decode_group(self) -> DecodeGroup | None:
+        """The one group of a pure decode step that the C++ op attends in place (every row a
+        decode), or None for any other step."""
+        if self.kernels is None or self.prefills or len(self.decode_groups) != 1:
+            return None
+        return self.decode_groups[0]
+
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:

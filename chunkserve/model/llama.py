@@ -118,13 +118,30 @@ class MLP(nn.Module, UsesOps):
         return self.parallel.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(nn.Module, UsesOps):
     def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, parallel)
+        # the four linears as `ModelOps.decoder_layer` takes them, where it can run this layer
+        self.fused_weights: tuple[list[torch.Tensor], list[int]] | None = None
+
+    def fuse_for_decode(self) -> None:
+        """Let pure decode steps run this layer through `ops.decoder_layer` (one call): where the
+        ops have it and the layer is what it computes (one TP rank, no q/k norms, float32 or GGUF
+        block weights). Call after the weights are loaded and packed."""
+        attention, mlp = self.self_attn, self.mlp
+        linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        fusable = (self.ops.decoder_layer is not None and attention.parallel.tp_size == 1
+                   and attention.q_norm is None
+                   and all(layer.blocks is not None or layer.weight.dtype == torch.float32 for layer in linears))
+        if not fusable:
+            self.fused_weights = None
+            return
+        self.fused_weights = ([layer.weight if layer.blocks is None else layer.blocks.blocks for layer in linears],
+                              [-1 if layer.blocks is None else layer.blocks.ggml_type for layer in linears])
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -132,6 +149,15 @@ class DecoderLayer(nn.Module):
         """`residual` is the stream so far and `hidden` the last sublayer's output to add to it
         (at the first layer: the embeddings, residual None). Returns the MLP's output and the
         stream before it; the caller's next norm adds them."""
+        group = meta.in_place_decode_group() if self.fused_weights is not None else None
+        if (group is not None and hidden.shape[0] <= self.ops.decoder_layer_max_rows
+                and hidden.dtype == kv_cache[0].dtype == torch.float32):
+            attention = self.self_attn
+            return self.ops.decoder_layer(
+                hidden, residual, *rotary, *kv_cache, meta.slot_mapping, group.block_tables, group.context_lens,
+                meta.block_size, *self.fused_weights, attention.qkv_proj.bias, self.input_layernorm.weight,
+                self.post_attention_layernorm.weight, self.input_layernorm.eps, attention.num_heads, attention.num_kv_heads,
+                attention.scale)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -178,6 +204,8 @@ class LlamaModel(nn.Module, UsesOps):
                 module.packed = ops.pack_linear_weight(module.weight)
                 if module.packed is not None and module.blocks is not None:
                     module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
+        for layer in self.layers:
+            layer.fuse_for_decode()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,

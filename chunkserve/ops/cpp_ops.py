@@ -13,6 +13,8 @@
   run time (`cpu_isa`), the AVX2 path kept for the CPUs without.
 - `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
   layer's small ops, one call each instead of a chain of torch calls.
+- `decoder_layer` (csrc/decoder_layer.cpp): the ops above for a whole layer of a pure decode
+  step, from one call instead of some thirty (Python, pybind and the GIL at each).
 - Not ours but torch's: oneDNN's linear on weights packed once at load (`onednn_linear`), for
   the layers' steps of `ONEDNN_MIN_ROWS` rows and more, where it beats both MKL and our kernel.
 
@@ -45,7 +47,8 @@ logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_CSRC, name)
             for name in ("ops.cpp", "cpu_isa.cpp", "paged_attention.cpp", "prefill_attention.cpp",
-                         "small_batch_linear.cpp", "block_linear_avx512.cpp", "elementwise.cpp")]
+                         "small_batch_linear.cpp", "block_linear_avx512.cpp", "elementwise.cpp",
+                         "decoder_layer.cpp")]
 
 # Up to this many rows the C++ linear beats or equals MKL on the layer shapes of SmolLM2-135M
 # here (benchmarks/small_batch_linear.py: 1.25x at 64 rows, 1.2x at 128, 1.1x at 256, 1.05x
@@ -122,6 +125,7 @@ class CppOps:
     silu_and_mul: Callable[..., torch.Tensor]
     onednn_linear: Callable[..., torch.Tensor]
     pack_linear_weight: Callable[[torch.Tensor], torch.Tensor | None]
+    decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     cpu_isa: Callable[[], str]  # the instruction set of the kernels that have several: avx512, avx2, portable
     set_cpu_isa: Callable[[str], str]  # another one this CPU has (tests, benchmarks); returns the last
 
@@ -131,7 +135,8 @@ class CppOps:
     def model_ops(self) -> ModelOps:
         return ModelOps(linear=self.linear, logits=self.logits, rms_norm=self.rms_norm, add_rms_norm=self.add_rms_norm,
                         rotary=self.rotary_embedding, silu_and_mul=self.silu_and_mul,
-                        pack_linear_weight=self.pack_linear_weight)
+                        pack_linear_weight=self.pack_linear_weight, decoder_layer=self.decoder_layer,
+                        decoder_layer_max_rows=ONEDNN_MIN_ROWS - 1)  # from there `linear` takes oneDNN
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                blocks: BlockWeight | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,7 +196,7 @@ def build_cpp_ops() -> CppOps:
                   rms_norm=module.rms_norm, add_rms_norm=module.add_rms_norm,
                   rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul,
                   onednn_linear=onednn_linear, pack_linear_weight=pack_for_onednn,
-                  cpu_isa=module.cpu_isa, set_cpu_isa=module.set_cpu_isa)
+                  decoder_layer=module.decoder_layer, cpu_isa=module.cpu_isa, set_cpu_isa=module.set_cpu_isa)
 
 
 def cpp_ops_for(backend: str) -> CppOps | None:

@@ -59,6 +59,10 @@ class ModelOps:
     silu_and_mul: Callable[[Tensor], Tensor]  # [T, 2I] -> silu(first half) * second half
     # weight [out, in] -> the same weight in the layout `linear` reads fastest, or None (keep the float weight)
     pack_linear_weight: Callable[[Tensor], Tensor | None]
+    # a whole decoder layer of a pure decode step of at most `decoder_layer_max_rows` rows in one call, with the
+    # arguments of csrc/ops.h `decoder_layer`; the same result as the layer's modules through the other ops
+    decoder_layer: Callable[..., tuple[Tensor, Tensor]] | None = None
+    decoder_layer_max_rows: int = 0
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, blocks: BlockWeight | None = None,

@@ -3,6 +3,8 @@ with other requests' decodes in the same flat batch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -72,3 +74,41 @@ def test_chunks_mixed_with_other_requests_decodes(models, chunk, backend, reques
             expected = reference_logits(reference, tokens[: runner.computed[request_id]])[-1]
             torch.testing.assert_close(rows[request_id][0], expected, atol=ATOL, rtol=1e-4)
     torch.testing.assert_close(torch.cat(got_prompt), reference_logits(reference, prompt), atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("weights", ["float32", "gguf blocks"])
+def test_a_pure_decode_step_runs_each_layer_in_one_call_with_the_same_logits(cpp_ops, tiny_model_dir, tiny_gguf,
+                                                                               weights):
+    """Pure decode steps below oneDNN's rows go through `decoder_layer`, one C++ call a layer,
+    and give bit for bit the logits of the same kernels called layer part by layer part (Llama,
+    Qwen2's q/k/v bias, GGUF blocks); steps with a prompt chunk keep the per-part path."""
+    source = resolve_model(tiny_model_dir if weights == "float32" else tiny_gguf)
+    config = load_model_config(source)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return cpp_ops.decoder_layer(*args)
+
+    fused_ops = dataclasses.replace(cpp_ops, decoder_layer=counted)
+    fused, parts = (PagedRunner(load_model(source, config, "float32", 512), config, cpp_ops=ops)
+                    for ops in (fused_ops, cpp_ops))
+    for layer in parts.model.layers:
+        layer.fused_weights = None
+    rng = np.random.default_rng(3)
+    prompts = {f"r{i}": rng.integers(0, config.vocab_size, n).tolist() for i, n in enumerate((9, 40, 17))}
+    decoded = {request_id: rng.integers(0, config.vocab_size, 4).tolist() for request_id in prompts}
+    for runner in (fused, parts):
+        for request_id, tokens in prompts.items():
+            runner.add(request_id, tokens + decoded[request_id])
+    for request_id, tokens in prompts.items():
+        work = {request_id: len(tokens)}
+        assert torch.equal(fused.step(work)[request_id], parts.step(work)[request_id])
+    assert calls == []
+    for _ in range(4):
+        work = dict.fromkeys(prompts, 1)
+        fused_rows, part_rows = fused.step(work), parts.step(work)
+        for request_id in prompts:
+            assert torch.equal(fused_rows[request_id], part_rows[request_id])
+    # q/k norms (Qwen3) are not in the one-call layer: those layers keep the per-part path
+    assert calls == ([] if config.qk_norm else [len(prompts)] * (4 * config.num_layers))

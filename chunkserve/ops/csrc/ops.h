@@ -36,3 +36,16 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_embedding(torch::Tensor q, torch
 
 // x [T, 2I] -> silu(x[:, :I]) * x[:, I:], [T, I].
 torch::Tensor silu_and_mul(torch::Tensor x);
+
+// One decoder layer of a pure decode step (every row a decode, one decode group, no TP) through
+// the ops above, in the order and with the kernels of the Python path (model/llama.py
+// DecoderLayer): hidden [B, hidden_size] is the last sublayer's output and residual the stream
+// before it (None at the first layer: hidden is then the embeddings). weights: qkv, o, gate_up,
+// down, each GGUF blocks (types[i] its ggml type) or a float32 [out, in] weight (types[i] -1).
+// Writes this step's K/V at slot_mapping and returns (the MLP's output, the stream before it).
+std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
+    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
+    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+    torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+    c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
+    int64_t num_heads, int64_t num_kv_heads, double scale);
