@@ -76,13 +76,20 @@ def test_chunks_mixed_with_other_requests_decodes(models, chunk, backend, reques
     torch.testing.assert_close(torch.cat(got_prompt), reference_logits(reference, prompt), atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize("weights", ["float32", "gguf blocks"])
-def test_a_pure_decode_step_runs_each_layer_in_one_call_with_the_same_logits(cpp_ops, tiny_model_dir, tiny_gguf,
-                                                                               weights):
+def test_a_pure_decode_step_runs_each_layer_in_one_call_with_the_same_logits(cpp_ops, tiny_model_dir):
     """Pure decode steps below oneDNN's rows go through `decoder_layer`, one C++ call a layer,
     and give bit for bit the logits of the same kernels called layer part by layer part (Llama,
-    Qwen2's q/k/v bias, GGUF blocks); steps with a prompt chunk keep the per-part path."""
-    source = resolve_model(tiny_model_dir if weights == "float32" else tiny_gguf)
+    Qwen2's q/k/v bias; Qwen3's q/k norms keep the per-part path); steps with a prompt chunk
+    keep the per-part path."""
+    assert_one_call_layers_equal_the_parts(cpp_ops, tiny_model_dir)
+
+
+def test_one_call_layers_read_gguf_blocks_with_the_same_logits(cpp_ops, tiny_gguf):
+    assert_one_call_layers_equal_the_parts(cpp_ops, tiny_gguf)
+
+
+def assert_one_call_layers_equal_the_parts(cpp_ops, model: str) -> None:
+    source = resolve_model(model)
     config = load_model_config(source)
     calls = []
 
