@@ -162,6 +162,9 @@ class LlamaModel(nn.Module, UsesOps):
         own_head = last and not (tied and first)
         self.lm_head = Linear(config.hidden_size, len(self.vocab_rows), bias=False) if own_head else None
         self.embedding_blocks: BlockWeight | None = None  # the GGUF blocks of a head read from the embedding table
+        # --dtype: the dtype of the KV cache and of the linear layers' packed weights and products
+        # (bfloat16 mode); the parameters, the residual stream, norms, rotary and logits are float32
+        self.compute_dtype = torch.float32
         self.requires_grad_(False)
 
     def set_ops(self, ops: ModelOps) -> None:
@@ -169,14 +172,16 @@ class LlamaModel(nn.Module, UsesOps):
         are loaded, since the layers' weights are packed for `ops` here. A layer with both a
         packed weight and GGUF blocks never reads its float32 weight again (`ModelOps.linear`
         takes the packed one from ONEDNN_MIN_ROWS rows, the blocks below), so that copy is
-        dropped: it is a third of a GGUF model's resident memory. What is left in its place is
-        a meta tensor of the same shape, which fails loudly if anything still reads it."""
+        dropped: it is a third of a GGUF model's resident memory; so is every packed layer's
+        where the ops read the packed weight alone (`packed_replaces_float`: bfloat16 mode).
+        What is left in its place is a meta tensor of the same shape, which fails loudly if
+        anything still reads it."""
         for module in self.modules():
             if isinstance(module, UsesOps):
                 module.ops = ops
             if isinstance(module, Linear) and module is not self.lm_head:  # the head goes through ops.logits
                 module.packed = ops.pack_linear_weight(module.weight)
-                if module.packed is not None and module.blocks is not None:
+                if module.packed is not None and (module.blocks is not None or ops.packed_replaces_float):
                     module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
