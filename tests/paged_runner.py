@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from chunkserve.core.sched.output import ScheduledRequest
-from chunkserve.ops.model_ops import TORCH_OPS
+from chunkserve.ops.cpp_ops import model_ops_for
 from chunkserve.worker.input_batch import build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_cache
 
@@ -19,8 +19,8 @@ class PagedRunner:
     def __init__(self, model, config, num_blocks: int = 256, cpp_ops=None) -> None:
         """`cpp_ops`: compute through the C++ ops (None: plain torch)."""
         self.attention_kernels = None if cpp_ops is None else cpp_ops.attention_kernels()
-        model.set_ops(TORCH_OPS if cpp_ops is None else cpp_ops.model_ops())
-        self.model, self.kv = model, allocate_kv_cache(config, model.embed_tokens.weight.dtype, num_blocks, BLOCK_SIZE)
+        model.set_ops(model_ops_for(cpp_ops, model.compute_dtype))
+        self.model, self.kv = model, allocate_kv_cache(config, model.compute_dtype, num_blocks, BLOCK_SIZE)
         self.free = list(np.random.default_rng(0).permutation(num_blocks))
         self.tables: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}

@@ -13,6 +13,10 @@ every short one read thousands of padded keys). Each prefill chunk is attended o
 own, its queries at positions [c, c+n) seeing keys [0, c + i] (the earlier chunks from the
 cache plus its own keys, causally): with the C++ op in place through its block table, on the
 plain-torch path by gathering its keys for SDPA.
+
+The cache is float32, or bfloat16 in bfloat16 mode: keys and values are rounded to it as they
+are written, and widened back to float32 as they are read (q, the softmax and the output stay
+float32 on both paths).
 """
 
 from __future__ import annotations
@@ -66,9 +70,9 @@ class AttentionMetadata:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
-    """Store this step's keys and values (`[T, kv_heads, head_dim]`) at their slots."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    """Store this step's keys and values (`[T, kv_heads, head_dim]`) at their slots, in the cache's dtype."""
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -83,8 +87,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[: decodes.shape[0]] = decodes
     else:
         for group in meta.decode_groups:
-            keys = k_cache[group.key_slots].transpose(1, 2)  # (B, kv_heads, L, D)
-            values = v_cache[group.key_slots].transpose(1, 2)
+            keys = k_cache[group.key_slots].to(q.dtype).transpose(1, 2)  # (B, kv_heads, L, D)
+            values = v_cache[group.key_slots].to(q.dtype).transpose(1, 2)
             queries = q[group.rows].unsqueeze(2)  # (B, heads, 1, D)
             attended = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
@@ -96,8 +100,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out[rows] = meta.kernels.prefill(q[rows], k_cache, v_cache, chunk.block_table, chunk.start,
                                              meta.block_size, scale)
             continue
-        keys = k_cache[chunk.key_slots].transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, D)
-        values = v_cache[chunk.key_slots].transpose(0, 1).unsqueeze(0)
+        keys = k_cache[chunk.key_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, D)
+        values = v_cache[chunk.key_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
         queries = q[rows].transpose(0, 1).unsqueeze(0)  # (1, heads, n, D)
         attended = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True

@@ -76,8 +76,12 @@ class EngineArgs:
         None, "Hugging Face tokenizer folder to use instead of the model's (default: the model's own)",
         aliases=("--tokenizer-path",)
     )
-    dtype: str = arg("float32", "weights and activations dtype; auto and float mean float32 (CPU)",
-                     choices=DTYPE_CHOICES)
+    dtype: str = arg(
+        "float32", "float32: every op in float32, logits equal to transformers'; bfloat16: the linear layers' "
+        "products (the GGUF blocks' decode steps of a few rows excepted) and the KV cache in bfloat16, the residual "
+        "stream, norms and logits in float32, for about twice the prefill speed; needs a CPU with AVX512_BF16 or AMX "
+        "(refused elsewhere: use float32); auto and float mean float32", choices=DTYPE_CHOICES
+    )
     max_model_len: int | None = arg(
         None, "longest prompt + output in tokens, e.g. 4096, 32k (32,000) or 32K (32,768) (default: the model's "
               "limit, capped by the KV pool)", aliases=("--context-length",), type=human_readable_int

@@ -131,12 +131,14 @@ class DecoderLayer(nn.Module, UsesOps):
     def fuse_for_decode(self) -> None:
         """Let pure decode steps run this layer through `ops.decoder_layer` (one call): where the
         ops have it and the layer is what it computes (one TP rank, no q/k norms, float32 or GGUF
-        block weights). Call after the weights are loaded and packed."""
+        block weights: not a bfloat16-mode layer whose only weight is the packed one). Call after
+        the weights are loaded and packed."""
         attention, mlp = self.self_attn, self.mlp
         linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         fusable = (self.ops.decoder_layer is not None and attention.parallel.tp_size == 1
                    and attention.q_norm is None
-                   and all(layer.blocks is not None or layer.weight.dtype == torch.float32 for layer in linears))
+                   and all(layer.blocks is not None or (layer.weight.dtype == torch.float32 and not layer.weight.is_meta)
+                           for layer in linears))
         if not fusable:
             self.fused_weights = None
             return
@@ -150,8 +152,7 @@ class DecoderLayer(nn.Module, UsesOps):
         (at the first layer: the embeddings, residual None). Returns the MLP's output and the
         stream before it; the caller's next norm adds them."""
         group = meta.in_place_decode_group() if self.fused_weights is not None else None
-        if (group is not None and hidden.shape[0] <= self.ops.decoder_layer_max_rows
-                and hidden.dtype == kv_cache[0].dtype == torch.float32):
+        if group is not None and hidden.shape[0] <= self.ops.decoder_layer_max_rows and hidden.dtype == torch.float32:
             attention = self.self_attn
             return self.ops.decoder_layer(
                 hidden, residual, *rotary, *kv_cache, meta.slot_mapping, group.block_tables, group.context_lens,
@@ -188,6 +189,9 @@ class LlamaModel(nn.Module, UsesOps):
         own_head = last and not (tied and first)
         self.lm_head = Linear(config.hidden_size, len(self.vocab_rows), bias=False) if own_head else None
         self.embedding_blocks: BlockWeight | None = None  # the GGUF blocks of a head read from the embedding table
+        # --dtype: the dtype of the KV cache and of the linear layers' packed weights and products
+        # (bfloat16 mode); the parameters, the residual stream, norms, rotary and logits are float32
+        self.compute_dtype = torch.float32
         self.requires_grad_(False)
 
     def set_ops(self, ops: ModelOps) -> None:
@@ -195,14 +199,16 @@ class LlamaModel(nn.Module, UsesOps):
         are loaded, since the layers' weights are packed for `ops` here. A layer with both a
         packed weight and GGUF blocks never reads its float32 weight again (`ModelOps.linear`
         takes the packed one from ONEDNN_MIN_ROWS rows, the blocks below), so that copy is
-        dropped: it is a third of a GGUF model's resident memory. What is left in its place is
-        a meta tensor of the same shape, which fails loudly if anything still reads it."""
+        dropped: it is a third of a GGUF model's resident memory; so is every packed layer's
+        where the ops read the packed weight alone (`packed_replaces_float`: bfloat16 mode).
+        What is left in its place is a meta tensor of the same shape, which fails loudly if
+        anything still reads it."""
         for module in self.modules():
             if isinstance(module, UsesOps):
                 module.ops = ops
             if isinstance(module, Linear) and module is not self.lm_head:  # the head goes through ops.logits
                 module.packed = ops.pack_linear_weight(module.weight)
-                if module.packed is not None and module.blocks is not None:
+                if module.packed is not None and (module.blocks is not None or ops.packed_replaces_float):
                     module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
         for layer in self.layers:
             layer.fuse_for_decode()

@@ -28,6 +28,7 @@ from chunkserve.errors import ModelLoadError
 from chunkserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.parallel import ParallelContext
+from chunkserve.ops.cpu_features import require_native_bf16
 from chunkserve.ops.model_ops import BLOCK_TYPES, BlockWeight
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # EngineArgs.dtype -> torch
@@ -51,10 +52,16 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 def load_model(source: ModelSource, config: ModelConfig, dtype: str, max_positions: int,
                parallel: ParallelContext | None = None) -> LlamaModel:
     """Build this rank's part of the model (all of it unless `parallel` splits it) with empty
-    weights, then fill them from the checkpoint, reading only the tensors it uses."""
+    weights, then fill them from the checkpoint, reading only the tensors it uses. The weights
+    are float32 in every mode: `dtype` bfloat16 is the KV cache's and the linear layers'
+    (`LlamaModel.compute_dtype`), whose weights the ops pack in bfloat16 (`set_ops`); it is
+    refused on a CPU without native bfloat16."""
+    if dtype == "bfloat16":
+        require_native_bf16()
     with torch.device("meta"):
         model = LlamaModel(config, max_positions, parallel)
-    model = model.to_empty(device="cpu").to(TORCH_DTYPES[dtype])
+    model = model.to_empty(device="cpu")
+    model.compute_dtype = TORCH_DTYPES[dtype]
     if source.kind == "hf":
         weights, blocks = _read_hf_weights(source.path, model.uses_weight), {}
     else:

@@ -17,6 +17,10 @@
   step, from one call instead of some thirty (Python, pybind and the GIL at each).
 - Not ours but torch's: oneDNN's linear on weights packed once at load (`onednn_linear`), for
   the layers' steps of `ONEDNN_MIN_ROWS` rows and more, where it beats both MKL and our kernel.
+  In bfloat16 mode (`model_ops(torch.bfloat16)`) the packed weight is bfloat16 and oneDNN
+  takes the steps of `BF16_ONEDNN_MIN_ROWS` rows and more, the GGUF blocks the fewer (float32
+  arithmetic), and every step of a layer without blocks (`onednn_bf16_linear`). The attention
+  ops read a float32 or a bfloat16 KV cache.
 
 The last five reach the model as a `ModelOps` (model/ops.py), whose plain-torch set
 `TORCH_OPS` they are tested against.
@@ -40,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkserve.config.engine import OP_BACKENDS
-from chunkserve.ops.model_ops import BlockWeight, ModelOps
+from chunkserve.ops.model_ops import BlockWeight, ModelOps, torch_ops
 
 logger = logging.getLogger(__name__)
 
@@ -62,26 +66,31 @@ SMALL_BATCH_MAX_ROWS = 512
 # 0.91x at 64); below, the kernel reading the blocks moves fewer bytes. Layers whose weight
 # could not be packed keep the rules above.
 ONEDNN_MIN_ROWS = 32
+# In bfloat16 mode, from this many rows oneDNN's bfloat16 linear takes a layer's steps from the
+# C++ kernel on its GGUF blocks: above it is clearly the faster; below, the two are close
+# (docs/benchmarks-log.md, "bfloat16 mode") and the blocks keep decode in float32 arithmetic.
+BF16_ONEDNN_MIN_ROWS = 4
 # The LM head (49152 x 576) is a shape MKL handles poorly: the C++ kernel is faster up to
 # 1024 rows at least (300 vs 397 ms at 1024).
 LOGITS_MAX_ROWS = 1024
 
 
-def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [out, in] reordered once into oneDNN's blocked layout for `onednn_linear`, or
-    None where this torch cannot or the weight is not float32. The layout is chosen for a
-    256-row batch; any row count runs on it."""
-    if weight.dtype != torch.float32 or weight.dim() != 2 or not _onednn_packing_works():
+def pack_for_onednn(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """The float32 `weight` [out, in] as `dtype` (float32 or bfloat16), reordered once into
+    oneDNN's blocked layout for `onednn_linear` (`onednn_bf16_linear`), or None where this
+    torch cannot or the weight is not float32. The layout is chosen for a 256-row batch; any
+    row count runs on it."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or not _onednn_packing_works(dtype):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 256)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), 256)
 
 
 @functools.cache
-def _onednn_packing_works() -> bool:
+def _onednn_packing_works(dtype: torch.dtype = torch.float32) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8), 256)
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 256)
         return True
     except (RuntimeError, AttributeError) as error:  # a build whose oneDNN lacks the op
         logger.warning("oneDNN cannot pack weights here (%s); the layers keep the C++ kernel and MKL", error)
@@ -93,6 +102,14 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     linears): on this host oneDNN's kernels run this model's shapes 1.4-1.5x faster than MKL's
     SGEMM, which F.linear calls (benchmarks/small_batch_linear.py)."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def onednn_bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear on a bfloat16 weight from `pack_for_onednn`, float32 in and out: x is rounded
+    to bfloat16, oneDNN accumulates in float32 and rounds the result to bfloat16 (torch's op
+    writes its input's dtype), which returns widened to float32; the bias is added in float32."""
+    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "").float()
+    return out if bias is None else out.add_(bias)
 
 
 # (q, k_cache, v_cache, block_tables, context_lens, block_size, scale) -> attention output
@@ -124,7 +141,8 @@ class CppOps:
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
     onednn_linear: Callable[..., torch.Tensor]
-    pack_linear_weight: Callable[[torch.Tensor], torch.Tensor | None]
+    onednn_bf16_linear: Callable[..., torch.Tensor]
+    pack_linear_weight: Callable[[torch.Tensor, torch.dtype], torch.Tensor | None]
     decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     cpu_isa: Callable[[], str]  # the instruction set of the kernels that have several: avx512, avx2, portable
     set_cpu_isa: Callable[[str], str]  # another one this CPU has (tests, benchmarks); returns the last
@@ -132,11 +150,16 @@ class CppOps:
     def attention_kernels(self) -> AttentionKernels:
         return AttentionKernels(decode=self.decode_attention, prefill=self.prefill_attention)
 
-    def model_ops(self) -> ModelOps:
-        return ModelOps(linear=self.linear, logits=self.logits, rms_norm=self.rms_norm, add_rms_norm=self.add_rms_norm,
-                        rotary=self.rotary_embedding, silu_and_mul=self.silu_and_mul,
-                        pack_linear_weight=self.pack_linear_weight, decoder_layer=self.decoder_layer,
-                        decoder_layer_max_rows=ONEDNN_MIN_ROWS - 1)  # from there `linear` takes oneDNN
+    def model_ops(self, linear_dtype: torch.dtype = torch.float32) -> ModelOps:
+        """The layer ops, with the linear layers' packed weights in `linear_dtype` (float32, or
+        bfloat16 for bfloat16 mode)."""
+        bf16 = linear_dtype == torch.bfloat16
+        return ModelOps(linear=self.bf16_linear if bf16 else self.linear, logits=self.logits, rms_norm=self.rms_norm,
+                        add_rms_norm=self.add_rms_norm, rotary=self.rotary_embedding, silu_and_mul=self.silu_and_mul,
+                        pack_linear_weight=functools.partial(self.pack_linear_weight, dtype=linear_dtype),
+                        packed_replaces_float=bf16, decoder_layer=self.decoder_layer,
+                        # from there `linear` takes oneDNN
+                        decoder_layer_max_rows=(BF16_ONEDNN_MIN_ROWS if bf16 else ONEDNN_MIN_ROWS) - 1)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                blocks: BlockWeight | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,6 +168,15 @@ class CppOps:
         `blocks` where the weight has them), else by MKL."""
         if packed is not None and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS and x.dtype == torch.float32:
             return self.onednn_linear(x, packed, bias)
+        return self._linear_up_to(SMALL_BATCH_MAX_ROWS, x, weight, bias, blocks)
+
+    def bf16_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    blocks: BlockWeight | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear in bfloat16 mode: by oneDNN on the bfloat16 `packed` weight for a batch of
+        BF16_ONEDNN_MIN_ROWS rows or more, or of any size where the layer has no `blocks` (its
+        float32 weight was dropped); else as `linear` (the C++ kernel on the blocks, float32)."""
+        if packed is not None and x.dim() == 2 and (blocks is None or x.shape[0] >= BF16_ONEDNN_MIN_ROWS):
+            return self.onednn_bf16_linear(x, packed, bias)
         return self._linear_up_to(SMALL_BATCH_MAX_ROWS, x, weight, bias, blocks)
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -195,8 +227,15 @@ def build_cpp_ops() -> CppOps:
                   block_quantized_linear=module.block_quantized_linear,
                   rms_norm=module.rms_norm, add_rms_norm=module.add_rms_norm,
                   rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul,
-                  onednn_linear=onednn_linear, pack_linear_weight=pack_for_onednn,
-                  decoder_layer=module.decoder_layer, cpu_isa=module.cpu_isa, set_cpu_isa=module.set_cpu_isa)
+                  onednn_linear=onednn_linear, onednn_bf16_linear=onednn_bf16_linear,
+                  pack_linear_weight=pack_for_onednn, decoder_layer=module.decoder_layer, cpu_isa=module.cpu_isa,
+                  set_cpu_isa=module.set_cpu_isa)
+
+
+def model_ops_for(cpp_ops: CppOps | None, linear_dtype: torch.dtype) -> ModelOps:
+    """The layer ops a model computes with: the C++ ones, or plain torch where `cpp_ops` is None,
+    for float32 or bfloat16 linear layers (`LlamaModel.linear_dtype`)."""
+    return torch_ops(linear_dtype) if cpp_ops is None else cpp_ops.model_ops(linear_dtype)
 
 
 def cpp_ops_for(backend: str) -> CppOps | None:

@@ -10,10 +10,15 @@ A linear layer loaded from a block-quantized GGUF tensor also carries its `Block
 that can compute from the blocks may, ops that cannot use the float weight, which is the
 blocks' exact dequantization. A layer may also carry its weight in a layout the ops prefer
 (`pack_linear_weight`, made once when the ops are set).
+
+In bfloat16 mode (`--dtype bfloat16`, `linear_dtype`) the packed weight is bfloat16 and the
+linear layers' products run in bfloat16 (float32 accumulation) where they read it; everything
+else (the residual stream, norms, rotary, the LM head) stays float32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,6 +68,9 @@ class ModelOps:
     # arguments of csrc/ops.h `decoder_layer`; the same result as the layer's modules through the other ops
     decoder_layer: Callable[..., tuple[Tensor, Tensor]] | None = None
     decoder_layer_max_rows: int = 0
+    # True: `linear` reads a layer's packed weight for every row count, never its float weight
+    # (False: only where the layer also has blocks, which serve the rows the packed weight does not)
+    packed_replaces_float: bool = False
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, blocks: BlockWeight | None = None,
@@ -98,5 +106,26 @@ def _silu_and_mul(x: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def _bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None, blocks: BlockWeight | None = None,
+                 packed: Tensor | None = None) -> Tensor:
+    """F.linear in bfloat16 on the layer's bfloat16 weight (`packed`), float32 in and out."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    out = F.linear(x.to(packed.dtype), packed).float()
+    return out if bias is None else out + bias
+
+
+def _to_bf16(weight: Tensor) -> Tensor:
+    return weight.to(torch.bfloat16)
+
+
 TORCH_OPS = ModelOps(linear=_linear, logits=_linear, rms_norm=_rms_norm, add_rms_norm=_add_rms_norm, rotary=_rotary,
                      silu_and_mul=_silu_and_mul, pack_linear_weight=_no_packing)
+# bfloat16 mode in plain torch: every row count of every linear layer in bfloat16
+TORCH_BF16_OPS = dataclasses.replace(TORCH_OPS, linear=_bf16_linear, pack_linear_weight=_to_bf16,
+                                     packed_replaces_float=True)
+
+
+def torch_ops(linear_dtype: torch.dtype) -> ModelOps:
+    """The plain-torch set for float32 or bfloat16 linear layers."""
+    return TORCH_BF16_OPS if linear_dtype == torch.bfloat16 else TORCH_OPS

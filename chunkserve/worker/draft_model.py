@@ -23,8 +23,7 @@ import torch
 from chunkserve.core.sched.output import ScheduledRequest
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
-from chunkserve.ops.cpp_ops import AttentionKernels, CppOps
-from chunkserve.ops.model_ops import TORCH_OPS
+from chunkserve.ops.cpp_ops import AttentionKernels, CppOps, model_ops_for
 from chunkserve.worker.input_batch import ForwardBatch, build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_pool, layer_caches
 
@@ -39,13 +38,12 @@ class DraftModelProposer:
         self.block_size = 0
         self.kernels: AttentionKernels | None = None
 
-    def bind(self, dtype: torch.dtype, num_blocks: int, block_size: int, cpp_ops: CppOps | None,
-             kernels: AttentionKernels | None) -> None:
+    def bind(self, num_blocks: int, block_size: int, cpp_ops: CppOps | None, kernels: AttentionKernels | None) -> None:
         """Allocate its KV pool over the target's block ids, and use the target's ops."""
-        self.kv_caches = layer_caches(allocate_kv_pool(self.config, dtype, num_blocks, block_size))
+        self.kv_caches = layer_caches(allocate_kv_pool(self.config, self.model.compute_dtype, num_blocks, block_size))
         self.block_size = block_size
         self.kernels = kernels
-        self.model.set_ops(TORCH_OPS if cpp_ops is None else cpp_ops.model_ops())
+        self.model.set_ops(model_ops_for(cpp_ops, self.model.compute_dtype))
 
     def propose(self, batch: ForwardBatch, scheduled: list[ScheduledRequest], token_ids: Mapping[str, list[int]],
                 tables: Mapping[str, np.ndarray], sampled: Mapping[str, list[int]]) -> dict[str, list[int]]:

@@ -30,8 +30,7 @@ from chunkserve.core.sched.output import (
 from chunkserve.errors import RequestFailedError
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
-from chunkserve.ops.cpp_ops import cpp_ops_for
-from chunkserve.ops.model_ops import TORCH_OPS
+from chunkserve.ops.cpp_ops import cpp_ops_for, model_ops_for
 from chunkserve.worker.input_batch import ForwardBatch, build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_pool, layer_caches, read_blocks, write_blocks
 from chunkserve.worker.persistent_batch import PersistentBatch
@@ -55,8 +54,8 @@ class ModelRunner:
         self.hidden_size = config.hidden_size
         self.block_size = block_size
         self.tokens_from_steps = tokens_from_steps
-        self.dtype = next(model.parameters()).dtype
-        self.kv_pool = allocate_kv_pool(kv_config or config, self.dtype, num_blocks, block_size)
+        self.dtype = next(model.parameters()).dtype  # of the activations between stages
+        self.kv_pool = allocate_kv_pool(kv_config or config, model.compute_dtype, num_blocks, block_size)
         self.kv_caches = layer_caches(self.kv_pool)
         self.generator = torch.Generator().manual_seed(seed)
         self.kv_connector = kv_connector or NoOpConnector()
@@ -65,12 +64,11 @@ class ModelRunner:
         self._layer_connector = None if isinstance(self.kv_connector, NoOpConnector) else self.kv_connector
         self.persistent_batch = PersistentBatch()
         self.drafter = drafter
-        # The C++ ops are float32 only; other dtypes keep plain torch.
-        self.cpp_ops = cpp_ops_for(op_backend if self.dtype == torch.float32 else "torch")
+        self.cpp_ops = cpp_ops_for(op_backend)
         self.attention_kernels = None if self.cpp_ops is None else self.cpp_ops.attention_kernels()
-        model.set_ops(TORCH_OPS if self.cpp_ops is None else self.cpp_ops.model_ops())
+        model.set_ops(model_ops_for(self.cpp_ops, model.compute_dtype))
         if drafter is not None:
-            drafter.bind(self.dtype, num_blocks, block_size, self.cpp_ops, self.attention_kernels)
+            drafter.bind(num_blocks, block_size, self.cpp_ops, self.attention_kernels)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,5 +1,6 @@
 """The in-place C++ attention ops (decode and prefill chunks) against the plain-torch attention
-(the reference, which gathers the keys for SDPA)."""
+(the reference, which gathers the keys for SDPA), over a float32 or a bfloat16 KV cache; and the
+bfloat16 cache's per-op accuracy contract against float32 (tests/ops/support.py's measure)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import torch
 from chunkserve.attention.paged import paged_attention
 from chunkserve.core.sched.output import ScheduledRequest
 from chunkserve.worker.input_batch import build_forward_batch
+from tests.ops.support import NMSE_BOUND, nmse
 from tests.paged_runner import tables_of
 
 BLOCK_SIZE = 16
+KV_DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
-def test_in_place_decode_equals_the_torch_reference(cpp_ops, heads, kv_heads, head_dim):
+def decode_step(heads: int, kv_heads: int, head_dim: int):
+    """(q, k_cache, v_cache, scheduled, tokens) of a decode step at contexts from 1 to 1000."""
     rng = np.random.default_rng(0)
     num_blocks = 200
     k_cache = torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim)
@@ -28,20 +31,11 @@ def test_in_place_decode_equals_the_torch_reference(cpp_ops, heads, kv_heads, he
         scheduled.append(ScheduledRequest(f"r{i}", context_len - 1, 1, table, True, True, True))
     tokens = {s.request_id: [0] * (s.num_computed_tokens + 1) for s in scheduled}
     q = torch.randn(len(scheduled), heads, head_dim)
-    reference = paged_attention(q, k_cache, v_cache, build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE).attn, 0.125)
-    in_place = paged_attention(q, k_cache, v_cache,
-                               build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE, cpp_ops.attention_kernels()).attn, 0.125)
-    torch.testing.assert_close(in_place, reference, rtol=1e-5, atol=1e-5)
+    return q, k_cache, v_cache, scheduled, tokens
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size",
-                         [(9, 3, 64, 16), (4, 4, 32, 16), (8, 2, 128, 16), (6, 3, 40, 16), (8, 1, 64, 16),
-                          (10, 2, 64, 80), (9, 3, 64, 1)])
-def test_in_place_prefill_chunks_equal_the_torch_reference(cpp_ops, heads, kv_heads, head_dim, block_size):
-    """Chunks from the first position and after a history, shorter and longer than a key tile
-    (64) and a position tile (32), ending mid-block, beside decodes in one mixed step; GQA
-    groups of 1 to 8 (5: not a divisor of the op's 6-row micro-tiles), blocks smaller than,
-    and not dividing, a key tile."""
+def mixed_step(heads: int, kv_heads: int, head_dim: int, block_size: int):
+    """(q, k_cache, v_cache, scheduled, tokens) of prefill chunks and decodes in one step."""
     rng = np.random.default_rng(1)
     generator = torch.Generator().manual_seed(1)
     num_blocks = -(-6400 // block_size)
@@ -55,11 +49,48 @@ def test_in_place_prefill_chunks_equal_the_torch_reference(cpp_ops, heads, kv_he
         scheduled.append(ScheduledRequest(f"r{i}", start, count, table, True, True, count == 1))
     tokens = {s.request_id: [0] * (s.num_computed_tokens + s.num_scheduled_tokens) for s in scheduled}
     q = torch.randn(sum(s.num_scheduled_tokens for s in scheduled), heads, head_dim, generator=generator)
+    return q, k_cache, v_cache, scheduled, tokens
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_in_place_decode_equals_the_torch_reference(cpp_ops, heads, kv_heads, head_dim, kv_dtype):
+    """Over a bfloat16 cache too: both read it widened to float32, so float32 tolerances hold."""
+    q, k_cache, v_cache, scheduled, tokens = decode_step(heads, kv_heads, head_dim)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    reference = paged_attention(q, k_cache, v_cache, build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE).attn, 0.125)
+    in_place = paged_attention(q, k_cache, v_cache,
+                               build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE, cpp_ops.attention_kernels()).attn, 0.125)
+    torch.testing.assert_close(in_place, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size",
+                         [(9, 3, 64, 16), (4, 4, 32, 16), (8, 2, 128, 16), (6, 3, 40, 16), (8, 1, 64, 16),
+                          (10, 2, 64, 80), (9, 3, 64, 1)])
+def test_in_place_prefill_chunks_equal_the_torch_reference(cpp_ops, heads, kv_heads, head_dim, block_size, kv_dtype):
+    """Chunks from the first position and after a history, shorter and longer than a key tile
+    (64) and a position tile (32), ending mid-block, beside decodes in one mixed step; GQA
+    groups of 1 to 8 (5: not a divisor of the op's 6-row micro-tiles), blocks smaller than,
+    and not dividing, a key tile."""
+    q, k_cache, v_cache, scheduled, tokens = mixed_step(heads, kv_heads, head_dim, block_size)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     reference = paged_attention(q, k_cache, v_cache, build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size).attn, 0.125)
     batch = build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size, cpp_ops.attention_kernels())
     assert all(chunk.key_slots is None and chunk.mask is None for chunk in batch.attn.prefills)  # nothing gathered
     in_place = paged_attention(q, k_cache, v_cache, batch.attn, 0.125)
     torch.testing.assert_close(in_place, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("step", ["decode", "mixed"])
+def test_bf16_kv_attention_is_within_the_bound_of_float32(cpp_ops, step):
+    """The C++ ops over the bfloat16 rounding of a cache against the same ops over the float32
+    cache (SmolLM2's heads: 9 over 3 kv heads of 64)."""
+    q, k_cache, v_cache, scheduled, tokens = decode_step(9, 3, 64) if step == "decode" else mixed_step(9, 3, 64, 16)
+    attn = build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE, cpp_ops.attention_kernels()).attn
+    float32 = paged_attention(q, k_cache, v_cache, attn, 0.125)
+    bf16 = paged_attention(q, k_cache.bfloat16(), v_cache.bfloat16(), attn, 0.125)
+    assert bf16.dtype == torch.float32 and nmse(bf16, float32) < NMSE_BOUND
 
 
 def test_in_place_prefill_refuses_a_block_outside_the_cache(cpp_ops):

@@ -12,6 +12,7 @@ import torch
 from chunkserve.config.model import resolve_model
 from chunkserve.model.llama import Linear
 from chunkserve.model.loader import load_model, load_model_config
+from chunkserve.ops.cpu_features import native_bf16
 from tests.paged_runner import PagedRunner, reference_logits
 
 ATOL = 1e-4
@@ -84,11 +85,15 @@ def test_a_pure_decode_step_runs_each_layer_in_one_call_with_the_same_logits(cpp
     assert_one_call_layers_equal_the_parts(cpp_ops, tiny_model_dir)
 
 
-def test_one_call_layers_read_gguf_blocks_with_the_same_logits(cpp_ops, tiny_gguf):
-    assert_one_call_layers_equal_the_parts(cpp_ops, tiny_gguf)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_call_layers_read_gguf_blocks_with_the_same_logits(cpp_ops, tiny_gguf, dtype):
+    """Also in bfloat16 mode, whose decode steps read the blocks and write a bfloat16 KV cache."""
+    if dtype == "bfloat16" and not native_bf16():
+        pytest.skip("bfloat16 mode needs a CPU with native bfloat16")
+    assert_one_call_layers_equal_the_parts(cpp_ops, tiny_gguf, dtype)
 
 
-def assert_one_call_layers_equal_the_parts(cpp_ops, model: str) -> None:
+def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "float32") -> None:
     source = resolve_model(model)
     config = load_model_config(source)
     calls = []
@@ -98,7 +103,7 @@ def assert_one_call_layers_equal_the_parts(cpp_ops, model: str) -> None:
         return cpp_ops.decoder_layer(*args)
 
     fused_ops = dataclasses.replace(cpp_ops, decoder_layer=counted)
-    fused, parts = (PagedRunner(load_model(source, config, "float32", 512), config, cpp_ops=ops)
+    fused, parts = (PagedRunner(load_model(source, config, dtype, 512), config, cpp_ops=ops)
                     for ops in (fused_ops, cpp_ops))
     for layer in parts.model.layers:
         layer.fused_weights = None

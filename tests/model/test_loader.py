@@ -61,11 +61,14 @@ def test_default_gguf_decodes_from_its_blocks_with_transformers_logits(default_g
     torch.testing.assert_close(torch.cat(got), reference_logits(hf_default_model, prompt), atol=1e-4, rtol=1e-4)
 
 
-def test_bfloat16_is_selectable_and_close(tiny_model_dir):
+def test_bfloat16_keeps_float32_parameters_and_is_close(tiny_model_dir):
+    """bfloat16 mode: the parameters (embeddings, norms, the head) stay float32; the linear layers
+    compute from bfloat16 copies of their weights, which replace the float32 ones, and the KV
+    cache is bfloat16 (plain torch here; the C++ ops' contract is tests/ops/test_bf16.py)."""
     source = resolve_model(tiny_model_dir)
     config = load_model_config(source)
     fp32, bf16 = load_model(source, config, "float32", 256), load_model(source, config, "bfloat16", 256)
-    assert bf16.embed_tokens.weight.dtype == torch.bfloat16
+    assert bf16.embed_tokens.weight.dtype == torch.float32 and bf16.compute_dtype == torch.bfloat16
     prompt = list(range(100, 140))
     logits = []
     for model in (fp32, bf16):
@@ -73,6 +76,9 @@ def test_bfloat16_is_selectable_and_close(tiny_model_dir):
         runner.add("a", prompt)
         logits.append(runner.step({"a": 20})["a"])
         logits[-1] = torch.cat([logits[-1], runner.step({"a": 20})["a"]])
+    assert runner.kv[0][0].dtype == torch.bfloat16
+    linears = [m for m in bf16.layers.modules() if hasattr(m, "packed")]
+    assert all(m.packed.dtype == torch.bfloat16 and m.weight.is_meta for m in linears)
     assert (logits[0] - logits[1]).abs().max() < 0.05 * logits[0].abs().max()
 
 

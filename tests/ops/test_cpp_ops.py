@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import gguf
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +18,8 @@ from chunkserve.ops.cpp_ops import (
     onednn_linear,
     pack_for_onednn,
 )
-from chunkserve.ops.model_ops import BLOCK_TYPES, TORCH_OPS, BlockWeight
+from chunkserve.ops.model_ops import BLOCK_TYPES, TORCH_OPS
+from tests.ops.support import quantized
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, SMALL_BATCH_MAX_ROWS])
@@ -33,14 +33,6 @@ def test_small_batch_linear_equals_f_linear(cpp_ops, rows, features, depth):
     torch.testing.assert_close(cpp_ops.small_batch_linear(x, weight, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cpp_ops.small_batch_linear(x, weight, bias), F.linear(x, weight, bias),
                                rtol=1e-4, atol=1e-4)
-
-
-def quantized(weight: torch.Tensor, type_name: str) -> tuple[BlockWeight, torch.Tensor]:
-    """`weight` as GGUF blocks, and the floats those blocks stand for."""
-    ggml_type = gguf.GGMLQuantizationType[type_name]
-    blocks = gguf.quants.quantize(weight.numpy(), ggml_type)
-    floats = torch.from_numpy(gguf.quants.dequantize(blocks, ggml_type))
-    return BlockWeight(int(ggml_type), torch.from_numpy(blocks)), floats
 
 
 @pytest.fixture(params=["avx512", "avx2"])

@@ -41,8 +41,8 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
   torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads, head_dim});
   const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
   std::tie(q, k) = rotary_embedding(q, k, cos, sin);
-  k_cache.index_copy_(0, slot_mapping, k);
-  v_cache.index_copy_(0, slot_mapping, v);
+  k_cache.index_copy_(0, slot_mapping, k.to(k_cache.scalar_type()));  // rounded to a bfloat16 cache
+  v_cache.index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
   const torch::Tensor attended =
       paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale);
   const torch::Tensor attention_out = linear(attended.view({rows, q_size}), weights[1], types[1]);

@@ -4,14 +4,16 @@
 #include <torch/extension.h>
 
 // q: [B, heads, head_dim]; caches: [num_slots, kv_heads, head_dim]; block_tables: [B, max_blocks]
-// (int64); context_lens: [B] (int64). Returns [B, heads, head_dim]. float32.
+// (int64); context_lens: [B] (int64). Returns [B, heads, head_dim]. q and the result float32, the
+// caches float32 or bfloat16 (widened as read: the arithmetic is float32).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      int64_t block_size, double scale);
 
 // One prefill chunk: q [n, heads, head_dim] at positions start .. start + n - 1, its keys and
 // the history's already in the caches [num_slots, kv_heads, head_dim]; block_table [blocks]
-// (int64). Query i attends keys 0 .. start + i (causal). Returns [n, heads, head_dim]. float32.
+// (int64). Query i attends keys 0 .. start + i (causal). Returns [n, heads, head_dim]. q and the
+// result float32, the caches float32 or bfloat16.
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_table, int64_t start, int64_t block_size, double scale);
 

@@ -13,8 +13,11 @@
 // block is computed, its heads' iterations each prefetch a share of the next block's K and V
 // lines (all at once would overflow the L1 miss buffers): 0.84x the time over 30 layers of 64
 // decodes (benchmarks/decode_attention.py --baseline d0a2295).
+//
+// The cache is float32 or bfloat16 (kv_element.h); either is widened to float32 as it is
+// loaded, and q, the softmax and the accumulators stay float32.
 #include "ops.h"
-#include "simd.h"
+#include "kv_element.h"
 
 #include <ATen/Parallel.h>
 
@@ -39,22 +42,22 @@ struct Partial {
   float* acc;  // [num_heads, head_dim]
 };
 
-// scores[i] = scale * q . key_i for the n keys of a block (slot_stride floats apart).
+// scores[i] = scale * q . key_i for the n keys of a block (slot_stride elements apart).
 #ifdef CHUNKSERVE_AVX2
-template <int DV>  // head_dim = 8 * DV: four keys at a time, four independent FMA chains
-void block_scores_avx2(const float* q, const float* keys, int64_t slot_stride, int64_t n, float scale,
+template <int DV, typename T>  // head_dim = 8 * DV: four keys at a time, four independent FMA chains
+void block_scores_avx2(const float* q, const T* keys, int64_t slot_stride, int64_t n, float scale,
                        float* scores) {
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    const float* key = keys + i * slot_stride;
+    const T* key = keys + i * slot_stride;
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
 #pragma GCC unroll 16
     for (int v = 0; v < DV; ++v) {
       const __m256 query = _mm256_loadu_ps(q + 8 * v);
-      s0 = _mm256_fmadd_ps(query, _mm256_loadu_ps(key + 8 * v), s0);
-      s1 = _mm256_fmadd_ps(query, _mm256_loadu_ps(key + slot_stride + 8 * v), s1);
-      s2 = _mm256_fmadd_ps(query, _mm256_loadu_ps(key + 2 * slot_stride + 8 * v), s2);
-      s3 = _mm256_fmadd_ps(query, _mm256_loadu_ps(key + 3 * slot_stride + 8 * v), s3);
+      s0 = _mm256_fmadd_ps(query, kv::load8(key + 8 * v), s0);
+      s1 = _mm256_fmadd_ps(query, kv::load8(key + slot_stride + 8 * v), s1);
+      s2 = _mm256_fmadd_ps(query, kv::load8(key + 2 * slot_stride + 8 * v), s2);
+      s3 = _mm256_fmadd_ps(query, kv::load8(key + 3 * slot_stride + 8 * v), s3);
     }
     scores[i] = horizontal_sum(s0) * scale;
     scores[i + 1] = horizontal_sum(s1) * scale;
@@ -65,14 +68,14 @@ void block_scores_avx2(const float* q, const float* keys, int64_t slot_stride, i
     __m256 sum = _mm256_setzero_ps();
 #pragma GCC unroll 16
     for (int v = 0; v < DV; ++v)
-      sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), _mm256_loadu_ps(keys + i * slot_stride + 8 * v), sum);
+      sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), kv::load8(keys + i * slot_stride + 8 * v), sum);
     scores[i] = horizontal_sum(sum) * scale;
   }
 }
 
 // acc += sum_i weights[i] * value_i, the accumulator held in registers across the block.
-template <int DV>
-void accumulate_values_avx2(const float* weights, const float* values, int64_t slot_stride, int64_t n, float* acc) {
+template <int DV, typename T>
+void accumulate_values_avx2(const float* weights, const T* values, int64_t slot_stride, int64_t n, float* acc) {
   __m256 sum[DV];
 #pragma GCC unroll 16
   for (int v = 0; v < DV; ++v) sum[v] = _mm256_loadu_ps(acc + 8 * v);
@@ -80,42 +83,45 @@ void accumulate_values_avx2(const float* weights, const float* values, int64_t s
     const __m256 weight = _mm256_set1_ps(weights[i]);
 #pragma GCC unroll 16
     for (int v = 0; v < DV; ++v)
-      sum[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(values + i * slot_stride + 8 * v), sum[v]);
+      sum[v] = _mm256_fmadd_ps(weight, kv::load8(values + i * slot_stride + 8 * v), sum[v]);
   }
 #pragma GCC unroll 16
   for (int v = 0; v < DV; ++v) _mm256_storeu_ps(acc + 8 * v, sum[v]);
 }
 #endif
 
-void block_scores(const float* q, const float* keys, int64_t slot_stride, int64_t n, int64_t D, float scale,
+template <typename T>
+void block_scores(const float* q, const T* keys, int64_t slot_stride, int64_t n, int64_t D, float scale,
                   float* scores) {
 #ifdef CHUNKSERVE_AVX2
   if (D == 64) return block_scores_avx2<8>(q, keys, slot_stride, n, scale, scores);
   if (D == 128) return block_scores_avx2<16>(q, keys, slot_stride, n, scale, scores);
 #endif
   for (int64_t i = 0; i < n; ++i) {
-    const float* key = keys + i * slot_stride;
+    const T* key = keys + i * slot_stride;
     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < D; ++d) dot += q[d] * key[d];
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * kv::widen(key[d]);
     scores[i] = dot * scale;
   }
 }
 
-void accumulate_values(const float* weights, const float* values, int64_t slot_stride, int64_t n, int64_t D,
+template <typename T>
+void accumulate_values(const float* weights, const T* values, int64_t slot_stride, int64_t n, int64_t D,
                        float* acc) {
 #ifdef CHUNKSERVE_AVX2
   if (D == 64) return accumulate_values_avx2<8>(weights, values, slot_stride, n, acc);
   if (D == 128) return accumulate_values_avx2<16>(weights, values, slot_stride, n, acc);
 #endif
   for (int64_t i = 0; i < n; ++i) {
-    const float* value = values + i * slot_stride;
+    const T* value = values + i * slot_stride;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) acc[d] += weights[i] * value[d];
+    for (int64_t d = 0; d < D; ++d) acc[d] += weights[i] * kv::widen(value[d]);
   }
 }
 
-void attend_partition(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
+template <typename T>
+void attend_partition(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
                       int64_t first_position, int64_t end_position, const Shape& s, Partial partial,
                       std::vector<float>& scores) {
   const int64_t slot_stride = s.num_kv_heads * s.head_dim, D = s.head_dim, H = s.num_heads;
@@ -130,7 +136,7 @@ void attend_partition(const float* q, const float* k_cache, const float* v_cache
     const int64_t first_slot = table[start / s.block_size] * s.block_size;
     const int64_t next = start + s.block_size;
     const int64_t next_lines =
-        next < end_position ? std::min(s.block_size, end_position - next) * slot_stride * int64_t(sizeof(float)) / kLine : 0;
+        next < end_position ? std::min(s.block_size, end_position - next) * slot_stride * int64_t(sizeof(T)) / kLine : 0;
     const int64_t next_offset = next_lines ? table[next / s.block_size] * s.block_size * slot_stride : 0;
     const char* next_k = reinterpret_cast<const char*>(k_cache + next_offset);
     const char* next_v = reinterpret_cast<const char*>(v_cache + next_offset);
@@ -189,8 +195,8 @@ void merge_partitions(const float* max, const float* sum, const float* acc, int6
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      int64_t block_size, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-              v_cache.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: q float32, the caches of one dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
               "paged_decode_attention: int64 block tables and context lengths");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
@@ -228,18 +234,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t units = first_unit[batch];
   std::vector<float> max(units * num_heads), sum(units * num_heads), acc(units * num_heads * head_dim);
   const float* q_data = q.data_ptr<float>();
-  const float* k_data = k_cache.data_ptr<float>();
-  const float* v_data = v_cache.data_ptr<float>();
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t b = unit_request[unit];
-      const int64_t first_position = (unit - first_unit[b]) * partition_len;
-      const Partial partial{max.data() + unit * num_heads, sum.data() + unit * num_heads,
-                            acc.data() + unit * num_heads * head_dim};
-      attend_partition(q_data + b * num_heads * head_dim, k_data, v_data, tables + b * max_blocks, first_position,
-                       std::min(lens[b], first_position + partition_len), shape, partial, scores);
-    }
+  CHUNKSERVE_DISPATCH_KV(k_cache.scalar_type(), "paged_decode_attention", [&] {
+    const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
+    const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t b = unit_request[unit];
+        const int64_t first_position = (unit - first_unit[b]) * partition_len;
+        const Partial partial{max.data() + unit * num_heads, sum.data() + unit * num_heads,
+                              acc.data() + unit * num_heads * head_dim};
+        attend_partition(q_data + b * num_heads * head_dim, k_data, v_data, tables + b * max_blocks, first_position,
+                         std::min(lens[b], first_position + partition_len), shape, partial, scores);
+      }
+    });
   });
   auto out = torch::empty_like(q);
   float* out_data = out.data_ptr<float>();

@@ -16,14 +16,19 @@
 // the transposed keys broadcast against query scalars, and acc += P V with value rows
 // broadcast against probabilities, both held in registers (AVX2 + FMA; a portable loop
 // elsewhere). Units go to threads largest first (the causal last positions cost the most).
+//
+// The cache is float32 or bfloat16 (kv_element.h): a tile's keys, and for bfloat16 its values,
+// are widened to float32 as they are copied into the tile's buffers, so the products above run
+// on float32 alone.
 #include "ops.h"
-#include "simd.h"
+#include "kv_element.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -33,10 +38,11 @@ constexpr int64_t kPositionTile = 32;  // query positions per unit of work
 constexpr int64_t kMicroRows = 6;     // query rows whose scores are computed together
 constexpr float kNegInf = -1e30f;  // finite: the build uses -ffast-math
 
+template <typename T>
 struct Problem {
   const float* q;  // [n, H, D]
-  const float* k_cache;
-  const float* v_cache;  // [slots, KVH, D]
+  const T* k_cache;
+  const T* v_cache;  // [slots, KVH, D]
   const int64_t* table;
   int64_t start, H, KVH, D, G, block_size;
   float scale;
@@ -125,9 +131,12 @@ void tile_values(const float* probs, int64_t rows, const float* const* values, i
 }
 
 // One kv head j, positions [first, last) of the chunk: writes their rows of `out`.
-void attend_unit(const Problem& p, int64_t j, int64_t first, int64_t last, float* out) {
+template <typename T>
+void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, float* out) {
+  constexpr bool kWidenValues = !std::is_same_v<T, float>;  // float32 values are read in place
   const int64_t D = p.D, rows = (last - first) * p.G;
   std::vector<float> keys_t(D * kKeyTile), scores(kMicroRows * kKeyTile);
+  std::vector<float> widened_values(kWidenValues ? kKeyTile * D : 0);
   std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f), acc(rows * D, 0.f);
   std::vector<const float*> values(kKeyTile);
   const int64_t end_key = p.start + last;  // keys 0 .. start + last - 1 are seen by some row
@@ -135,9 +144,15 @@ void attend_unit(const Problem& p, int64_t j, int64_t first, int64_t last, float
     const int64_t keys = std::min(kKeyTile, end_key - tile);
     for (int64_t k = 0; k < keys; ++k) {
       const int64_t offset = (p.slot(tile + k) * p.KVH + j) * D;
-      const float* key = p.k_cache + offset;
-      for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + k] = key[d];
-      values[k] = p.v_cache + offset;
+      const T* key = p.k_cache + offset;
+      for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + k] = kv::widen(key[d]);
+      if constexpr (kWidenValues) {
+        float* value = widened_values.data() + k * D;
+        for (int64_t d = 0; d < D; ++d) value[d] = kv::widen(p.v_cache[offset + d]);
+        values[k] = value;
+      } else {
+        values[k] = p.v_cache + offset;
+      }
     }
     for (int64_t k = keys; k < kKeyTile; ++k)
       for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + k] = 0.f;
@@ -190,8 +205,8 @@ void attend_unit(const Problem& p, int64_t j, int64_t first, int64_t last, float
 
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_table, int64_t start, int64_t block_size, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-              v_cache.scalar_type() == torch::kFloat32, "paged_prefill_attention: float32 only");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_prefill_attention: q float32, the caches of one dtype");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 1,
               "paged_prefill_attention: a 1-d int64 block table");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_prefill_attention: contiguous caches");
@@ -207,19 +222,20 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   const int64_t num_blocks = k_cache.size(0) / block_size;
   TORCH_CHECK(std::all_of(blocks, blocks + block_table.size(0), [&](int64_t b) { return b >= 0 && b < num_blocks; }),
               "paged_prefill_attention: a block id outside the cache");
-  const Problem problem{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                        blocks, start, H, KVH, D, H / KVH, block_size,
-                        static_cast<float>(scale)};
   auto out = torch::empty_like(q);
   float* out_data = out.data_ptr<float>();
   // Units (kv head, position tile), the last position tiles (the most keys) first.
   const int64_t tiles = (n + kPositionTile - 1) / kPositionTile, units = tiles * KVH;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t unit = next++; unit < units; unit = next++) {
-      const int64_t tile = tiles - 1 - unit / KVH, j = unit % KVH;
-      attend_unit(problem, j, tile * kPositionTile, std::min(n, (tile + 1) * kPositionTile), out_data);
-    }
+  CHUNKSERVE_DISPATCH_KV(k_cache.scalar_type(), "paged_prefill_attention", [&] {
+    const Problem<scalar_t> problem{q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                    blocks, start, H, KVH, D, H / KVH, block_size, static_cast<float>(scale)};
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t unit = next++; unit < units; unit = next++) {
+        const int64_t tile = tiles - 1 - unit / KVH, j = unit % KVH;
+        attend_unit(problem, j, tile * kPositionTile, std::min(n, (tile + 1) * kPositionTile), out_data);
+      }
+    });
   });
   return out;
 }

@@ -1,0 +1,61 @@
+"""bfloat16 mode's linear layers (`--dtype bfloat16`): their error against the float32 op, and
+which rows take bfloat16 arithmetic. The error is llama.cpp's per-op measure (test-backend-ops),
+the normalised squared error sum((a - b)^2) / sum(b^2) against the float32 result, under its bar
+for matrix products. The bfloat16 KV cache's attention has the same contract in
+tests/attention/test_paged.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chunkserve.ops.cpp_ops import BF16_ONEDNN_MIN_ROWS, SMALL_BATCH_MAX_ROWS, onednn_bf16_linear, pack_for_onednn
+from chunkserve.ops.model_ops import TORCH_BF16_OPS
+from tests.ops.support import NMSE_BOUND, nmse, quantized
+
+
+@pytest.mark.parametrize("rows", [1, BF16_ONEDNN_MIN_ROWS, 64, 300])
+@pytest.mark.parametrize("features, depth", [(960, 576), (576, 1536), (3072, 576), (5, 13)])
+@pytest.mark.parametrize("path", ["oneDNN", "torch"])
+def test_bf16_linear_is_within_the_bound_of_float32(rows, features, depth, path):
+    """SmolLM2's layer shapes and an odd one, with and without a bias, on both paths."""
+    generator = torch.Generator().manual_seed(rows * features + depth)
+    x = torch.randn(rows, depth, generator=generator)
+    weight = torch.randn(features, depth, generator=generator)
+    bias = torch.randn(features, generator=generator)
+    if path == "oneDNN":
+        packed = pack_for_onednn(weight, torch.bfloat16)
+        assert packed is not None and packed.dtype == torch.bfloat16
+        got, got_bias = onednn_bf16_linear(x, packed, None), onednn_bf16_linear(x, packed, bias)
+    else:
+        packed = TORCH_BF16_OPS.pack_linear_weight(weight)
+        got = TORCH_BF16_OPS.linear(x, weight.to("meta"), None, None, packed)
+        got_bias = TORCH_BF16_OPS.linear(x, weight.to("meta"), bias, None, packed)
+    assert got.dtype == torch.float32 and got.shape == (rows, features)
+    assert nmse(got, F.linear(x, weight)) < NMSE_BOUND
+    assert nmse(got_bias, F.linear(x, weight, bias)) < NMSE_BOUND
+
+
+def test_bf16_mode_routes_few_rows_to_the_blocks_and_the_rest_to_bf16_onednn(cpp_ops):
+    """A layer with GGUF blocks computes steps below BF16_ONEDNN_MIN_ROWS rows from them (float32
+    arithmetic on the exact weights), the larger ones by bfloat16 oneDNN; a layer without blocks
+    has only its bfloat16 weight (the float32 one is dropped), so oneDNN takes every step."""
+    routes = []
+    ops = dataclasses.replace(
+        cpp_ops,
+        block_quantized_linear=lambda x, *rest: routes.append(("blocks", x.shape[0])) or torch.zeros(x.shape[0], 16),
+        onednn_bf16_linear=lambda x, packed, bias: routes.append(("bf16", x.shape[0])) or torch.zeros(x.shape[0], 16),
+        small_batch_linear=lambda *args: pytest.fail("the float32 weight was read"),
+    ).model_ops(torch.bfloat16)
+    assert ops.packed_replaces_float
+    blocks, _ = quantized(torch.randn(16, 64), "Q8_0")
+    weight, packed = torch.empty(16, 64, device="meta"), torch.empty(0)  # neither is read: the recorders stand in
+    for rows in (1, BF16_ONEDNN_MIN_ROWS - 1, BF16_ONEDNN_MIN_ROWS, SMALL_BATCH_MAX_ROWS + 1):
+        ops.linear(torch.randn(rows, 64), weight, None, blocks, packed)
+    for rows in (1, 300):
+        ops.linear(torch.randn(rows, 64), weight, None, None, packed)
+    assert routes == [("blocks", 1), ("blocks", BF16_ONEDNN_MIN_ROWS - 1), ("bf16", BF16_ONEDNN_MIN_ROWS),
+                      ("bf16", SMALL_BATCH_MAX_ROWS + 1), ("bf16", 1), ("bf16", 300)]
