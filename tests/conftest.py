@@ -131,7 +131,7 @@ def default_llm():
     """One engine on the default model with a mid-sized budget, shared by engine tests."""
     from chunkserve import LLM
 
-    return LLM(max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32)
+    return LLM(dtype="float32", max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32)
 
 
 @pytest.fixture(scope="session")

@@ -69,13 +69,17 @@ def free_port() -> int:
 
 def start_server(tmp_path_factory, *flags: str, name: str, env: dict[str, str] | None = None,
                  wait: bool = True) -> Server:
-    """`env`: added to the server's environment; `wait=False` returns at once (then `wait_until_up`)."""
+    """`env`: added to the server's environment; `wait=False` returns at once (then `wait_until_up`).
+    Servers run in float32, the exact mode whose tokens the tests compare across configurations
+    (`--dtype auto`, the default, is bfloat16 on a CPU that has it); a later `--dtype` in
+    `flags` wins."""
     port = free_port()
     log_path = str(tmp_path_factory.mktemp(name) / "server.log")
     env = {**os.environ, "CHUNKSERVE_API_KEY": "", "CHUNKSERVE_ADMIN_API_KEY": "", **(env or {})}
     command = [sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", "--port", str(port), "--api-key", API_KEY,
                "--admin-api-key", ADMIN_API_KEY,
-               "--kv-cache-memory-gb", "0.25", "--max-request-body-bytes", str(MAX_BODY_BYTES), *flags]
+               "--kv-cache-memory-gb", "0.25", "--max-request-body-bytes", str(MAX_BODY_BYTES), "--dtype", "float32",
+               *flags]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(process, f"http://127.0.0.1:{port}", log_path)

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from chunkserve.config.cpu import auto_dtype
 from chunkserve.config.limits import CHARS_PER_TOKEN_BOUND, RequestLimits
 from chunkserve.config.parallel import ParallelConfig, parse_layer_partition
 from chunkserve.config.scheduler import (
@@ -27,9 +28,9 @@ from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import MAX_LOGPROBS
 
 DTYPES = ("float32", "bfloat16")
-# vLLM's spellings: auto is float32 on CPU, as vLLM's CPU build; float16 has no fast CPU kernels
-DTYPE_ALIASES = {"auto": "float32", "float": "float32"}
-DTYPE_CHOICES = (*DTYPES, *DTYPE_ALIASES, "half", "float16")
+# vLLM's spellings; float16 has no fast CPU kernels. auto is resolved for this CPU (config/cpu.py).
+DTYPE_ALIASES = {"float": "float32"}
+DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES, "half", "float16")
 OP_BACKENDS = ("auto", "cpp", "torch")
 HICACHE_STORAGE_BACKENDS = ("file",)
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
@@ -77,10 +78,11 @@ class EngineArgs:
         aliases=("--tokenizer-path",)
     )
     dtype: str = arg(
-        "float32", "float32: every op in float32, logits equal to transformers'; bfloat16: the linear layers' "
+        "auto", "float32: every op in float32, logits equal to transformers'; bfloat16: the linear layers' "
         "products (the GGUF blocks' decode steps of a few rows excepted) and the KV cache in bfloat16, the residual "
         "stream, norms and logits in float32, for about twice the prefill speed; needs a CPU with AVX512_BF16 or AMX "
-        "(refused elsewhere: use float32); auto and float mean float32", choices=DTYPE_CHOICES
+        "(refused elsewhere: use float32); auto: bfloat16 where the CPU has it, else float32 (vLLM's rule); float "
+        "means float32", choices=DTYPE_CHOICES
     )
     max_model_len: int | None = arg(
         None, "longest prompt + output in tokens, e.g. 4096, 32k (32,000) or 32K (32,768) (default: the model's "
@@ -263,7 +265,7 @@ class EngineArgs:
         def fail(message: str) -> None:
             raise InvalidRequestError(message)
 
-        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        self.dtype = auto_dtype() if self.dtype == "auto" else DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype in ("half", "float16"):
             fail(f"dtype {self.dtype} is not supported on CPU: use bfloat16 (the same memory) or float32")
         if self.dtype not in DTYPES:

@@ -98,8 +98,8 @@ class EngineCore:
         if (self.scheduler_config.tbt_slo_ms is not None or self.scheduler_config.ttft_slo_ms is not None
                 or (speculative is not None and speculative.policy == "auto")):  # (these plan with the model)
             self._profile_step_time()
-        logger.info("engine core ready: %s, %d KV blocks of %d tokens, max_model_len %d",
-                    self.model_config.architecture, num_blocks, config.block_size, self.max_model_len)
+        logger.info("engine core ready: %s in %s, %d KV blocks of %d tokens, max_model_len %d",
+                    self.model_config.architecture, config.dtype, num_blocks, config.block_size, self.max_model_len)
 
     def _default_connector(self, config: EngineArgs) -> KVConnectorScheduler | None:
         """The scheduler's side of the connector the flags ask for (the workers build its other side)."""

@@ -34,7 +34,7 @@ def tiny_engine_args(tiny_gguf: str, **overrides) -> dict:
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_gguf):
     """One in-process engine on the tiny model, shared by this module's thread-side tests."""
-    return LLM(**tiny_engine_args(tiny_gguf))
+    return LLM(dtype="float32", **tiny_engine_args(tiny_gguf))
 
 
 @pytest.fixture
@@ -208,7 +208,7 @@ def engine_process(others: list[multiprocessing.Process]) -> multiprocessing.Pro
 
 @pytest.fixture(scope="module")
 def process_llm(tiny_gguf):
-    llm = AsyncLLM.from_engine_args(EngineArgs(**tiny_engine_args(tiny_gguf)))
+    llm = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", **tiny_engine_args(tiny_gguf)))
     yield llm
     llm.shutdown()
     assert not llm.is_running and not multiprocessing.active_children()
@@ -264,14 +264,14 @@ def test_engine_process_refusals_keep_their_type_and_field(process_llm):
 def test_engine_process_that_cannot_start_raises_why(tiny_gguf):
     before = multiprocessing.active_children()
     with pytest.raises(InvalidRequestError, match="max_model_len 1000000 exceeds the model's limit"):
-        AsyncLLM.from_engine_args(EngineArgs(**tiny_engine_args(tiny_gguf, max_model_len=10**6)))
+        AsyncLLM.from_engine_args(EngineArgs(dtype="float32", **tiny_engine_args(tiny_gguf, max_model_len=10**6)))
     assert multiprocessing.active_children() == before
 
 
 def test_a_killed_engine_process_fails_its_streams_and_refuses_new_requests(tiny_gguf, monkeypatch):
     monkeypatch.setenv(TEST_STEP_DELAY_ENV, str(STEP_DELAY_MS))  # the 400 tokens outlast the kill by construction
     others = multiprocessing.active_children()
-    llm = AsyncLLM.from_engine_args(EngineArgs(**tiny_engine_args(tiny_gguf)))
+    llm = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", **tiny_engine_args(tiny_gguf)))
 
     async def run():
         stream = await llm.add_request("doomed", "Tell me a story", SamplingParams(max_tokens=400))
@@ -317,7 +317,7 @@ class ScriptedCore:
 def scripted_llm(tokenizer) -> tuple[AsyncLLM, ScriptedCore]:
     cores = []
     llm = AsyncLLM(lambda on_event: cores.append(ScriptedCore(on_event, len(tokenizer))) or cores[0],
-                   lambda: tokenizer, resolve_model(None), EngineArgs())
+                   lambda: tokenizer, resolve_model(None), EngineArgs(dtype="float32"))
     return llm, cores[0]
 
 

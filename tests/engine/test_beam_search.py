@@ -121,7 +121,7 @@ def tiny(tmp_path_factory, default_tokenizer):
     """Our engine (blocks of 4 tokens: every step reads the beam's prefix from the cache) and transformers' model."""
     folder = tmp_path_factory.mktemp("tiny-beam")
     model = save_tiny_llama(folder, default_tokenizer)
-    return LLM(str(folder), kv_cache_memory_gb=0.05, block_size=4), model
+    return LLM(str(folder), dtype="float32", kv_cache_memory_gb=0.05, block_size=4), model
 
 
 PROMPT = [19556, 665, 1000, 2000, 3000]

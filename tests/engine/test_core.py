@@ -25,7 +25,8 @@ def decode_messages(model_config, history: int, num_steps: int) -> list[bytes]:
     """The pickled per-step messages of `num_steps` pure decode steps of 32 requests whose
     prompts hold `history` tokens."""
     blocks = NUM_REQUESTS * (history + num_steps + 80) // 16 + 64
-    core = EngineCore(EngineArgs(max_num_batched_tokens=8192, max_num_seqs=NUM_REQUESTS, num_kv_blocks=blocks),
+    core = EngineCore(EngineArgs(dtype="float32",
+                                 max_num_batched_tokens=8192, max_num_seqs=NUM_REQUESTS, num_kv_blocks=blocks),
                       SimulatedExecutor(model_config, blocks))
     params = SamplingParams(max_tokens=num_steps + 64, ignore_eos=True, temperature=0)  # none ends early
     for i in range(NUM_REQUESTS):
@@ -51,7 +52,8 @@ def test_a_steps_message_does_not_grow_with_history(model_config):
 
 def test_the_simulated_core_finishes_every_request_and_frees_every_block(model_config):
     blocks = 64
-    core = EngineCore(EngineArgs(max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=blocks, max_model_len=256),
+    core = EngineCore(EngineArgs(dtype="float32",
+                                 max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=blocks, max_model_len=256),
                       SimulatedExecutor(model_config, blocks))
     for i in range(12):
         core.add_request(EngineCoreRequest(f"r{i}", [1000 + i] * (20 + 9 * i), SamplingParams(max_tokens=30),
@@ -81,7 +83,8 @@ class LoadingExecutor(SimulatedExecutor):
 def test_kv_progress_reported_by_a_step_with_nothing_scheduled_is_not_lost(model_config):
     from tests.core.support import FakeRemoteConnector
 
-    core = EngineCore(EngineArgs(max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64, max_model_len=256,
+    core = EngineCore(EngineArgs(dtype="float32",
+                                 max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64, max_model_len=256,
                                  block_size=4), LoadingExecutor(model_config, 64), kv_connector=FakeRemoteConnector())
     core.add_request(EngineCoreRequest("remote-a", list(range(1000, 1030)), SamplingParams(max_tokens=3), None, 0.0))
     tokens = []
@@ -100,7 +103,8 @@ def test_a_search_for_a_failing_request_ends_even_when_the_pool_is_short(model_c
     them (not itself), fails alone, and everyone else finishes (the search once stayed on with
 every step empty)."""
     blocks = 8
-    core = EngineCore(EngineArgs(max_num_batched_tokens=96, max_num_seqs=8, num_kv_blocks=blocks, max_model_len=128),
+    core = EngineCore(EngineArgs(dtype="float32",
+                                 max_num_batched_tokens=96, max_num_seqs=8, num_kv_blocks=blocks, max_model_len=128),
                       SimulatedExecutor(model_config, blocks))
     execute = core.executor.execute_model
 

@@ -33,7 +33,7 @@ def make_engine(model_dir: str, tier_dir=None, policy: str = "write_through", **
     if tier_dir is not None:
         args.update(enable_hierarchical_cache=True, hicache_storage_dir=str(tier_dir), hicache_write_policy=policy)
     args.update(overrides)
-    return LLMEngine(EngineArgs(**args))
+    return LLMEngine(EngineArgs(dtype="float32", **args))
 
 
 def wait_until_io_thread_idle(worker_side, timeout_s: float = 30.0) -> None:

@@ -18,7 +18,7 @@ from tests.engine.support import PROMPTS, healthy_requests, run
 @pytest.fixture(scope="module")
 def core(tiny_gguf):
     """default_llm's budget on the tiny model: fault isolation is behaviour, not weights."""
-    return EngineCore(EngineArgs(model=tiny_gguf, max_model_len=4096, max_num_batched_tokens=64,
+    return EngineCore(EngineArgs(dtype="float32", model=tiny_gguf, max_model_len=4096, max_num_batched_tokens=64,
                                  kv_cache_memory_gb=0.25, max_num_seqs=32))
 
 

@@ -41,7 +41,7 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def llm(tiny_gguf):
-    return LLMEngine(EngineArgs(**tiny_args(tiny_gguf)))
+    return LLMEngine(EngineArgs(dtype="float32", **tiny_args(tiny_gguf)))
 
 
 def generate(llm: LLMEngine, prompts: list, params: SamplingParams) -> list[RequestOutput]:
@@ -224,7 +224,7 @@ def test_a_refused_request_leaves_the_others_running(llm):
 
 @pytest.fixture(scope="module")
 def core(tiny_gguf):
-    return EngineCore(EngineArgs(**tiny_args(tiny_gguf)))
+    return EngineCore(EngineArgs(dtype="float32", **tiny_args(tiny_gguf)))
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +283,7 @@ def test_prompt_logprobs_equal_transformers_with_chunked_prefill_and_a_cached_pr
     rng = random.Random(5)
     prompt = [rng.randrange(100, 20000) for _ in range(40)]
     expected = reference_prompt_logprobs(tiny_model_dir, prompt)
-    llm = LLMEngine(EngineArgs(model=tiny_model_dir, max_num_batched_tokens=budget, num_kv_blocks=64))
+    llm = LLMEngine(EngineArgs(dtype="float32", model=tiny_model_dir, max_num_batched_tokens=budget, num_kv_blocks=64))
     generate(llm, [prompt], SamplingParams(max_tokens=2, temperature=0.0))  # the prefix cache now holds it
     others = [[rng.randrange(100, 20000) for _ in range(5)] for _ in range(beside)]
     for i, other in enumerate(others):
@@ -299,7 +299,7 @@ def test_prompt_logprobs_equal_transformers_with_chunked_prefill_and_a_cached_pr
 
 @pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
 def test_a_one_token_prompt_has_one_none_prompt_logprob(tiny_model_dir):
-    llm = LLMEngine(EngineArgs(model=tiny_model_dir, max_num_batched_tokens=16, num_kv_blocks=16))
+    llm = LLMEngine(EngineArgs(dtype="float32", model=tiny_model_dir, max_num_batched_tokens=16, num_kv_blocks=16))
     (output,) = generate(llm, [[1234]], SamplingParams(max_tokens=2, prompt_logprobs=0))
     assert output.prompt_logprobs == [None]
 

@@ -23,7 +23,7 @@ SEEDED = SamplingParams(max_tokens=64, temperature=0.8, top_p=0.9, seed=1234, ig
 
 
 def engine(model: str, budget: int = 64, **extra) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=model, max_num_batched_tokens=budget, num_kv_blocks=96, **extra))
+    return LLMEngine(EngineArgs(dtype="float32", model=model, max_num_batched_tokens=budget, num_kv_blocks=96, **extra))
 
 
 def prompt_of(length: int, seed: int = 0) -> list[int]:

@@ -161,17 +161,19 @@ def drafts_of(records) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def plain():
     """No speculation: the reference."""
-    return LLM(max_num_batched_tokens=512, kv_cache_memory_gb=0.25, max_num_seqs=32)
+    return LLM(dtype="float32", max_num_batched_tokens=512, kv_cache_memory_gb=0.25, max_num_seqs=32)
 
 
 @pytest.fixture(scope="module")
 def spec():
-    return LLM(max_num_batched_tokens=512, kv_cache_memory_gb=0.25, max_num_seqs=32, speculative_config=NGRAM)
+    return LLM(dtype="float32",
+               max_num_batched_tokens=512, kv_cache_memory_gb=0.25, max_num_seqs=32, speculative_config=NGRAM)
 
 
 @pytest.fixture(scope="module")
 def spec64():
-    return LLM(max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32, speculative_config=NGRAM)
+    return LLM(dtype="float32",
+               max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32, speculative_config=NGRAM)
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +198,7 @@ def test_greedy_outputs_equal_no_speculation(request, prompts, expected, budget)
     elif budget == 64:
         llm = request.getfixturevalue("spec64")
     else:  # blocks of 4 tokens: prompt chunks (whole blocks) fit beside the decodes and their drafts
-        llm = LLM(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, kv_cache_memory_gb=0.25,
+        llm = LLM(dtype="float32", max_num_batched_tokens=16, max_num_seqs=8, block_size=4, kv_cache_memory_gb=0.25,
                   speculative_config=NGRAM)
     before = len(llm.get_step_records())
     with watching(llm) as log:
@@ -240,7 +242,7 @@ def test_a_long_prefill_shares_steps_with_speculating_decodes(plain, spec64, pro
 
 @pytest.mark.slow  # the auto policy profiles the step time at start-up (~15 s here)
 def test_auto_policy_outputs_equal_no_speculation(prompts, expected):
-    llm = LLM(max_num_batched_tokens=512, kv_cache_memory_gb=0.25, max_num_seqs=32,
+    llm = LLM(dtype="float32", max_num_batched_tokens=512, kv_cache_memory_gb=0.25, max_num_seqs=32,
               speculative_config=dict(NGRAM, policy="auto"))
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert drafts_of(llm.get_step_records())[1] > 0
@@ -377,7 +379,8 @@ def test_max_tokens_reached_inside_a_run(spec, prompts, expected):
 
 
 def test_preemption_with_drafts_pending_keeps_outputs(prompts, expected):
-    llm = LLM(num_kv_blocks=20, block_size=BLOCK_SIZE, max_num_batched_tokens=64, speculative_config=NGRAM)
+    llm = LLM(dtype="float32",
+              num_kv_blocks=20, block_size=BLOCK_SIZE, max_num_batched_tokens=64, speculative_config=NGRAM)
     chosen = prompts[:5]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     with watching(llm) as log:
@@ -492,8 +495,8 @@ def test_tp2_with_ngram_drafts_equals_tp1(tmp_path, default_tokenizer):
     ngram = dict(NGRAM, prompt_lookup_min=1, prompt_lookup_max=3)
     common = dict(max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=256, block_size=4)
     params = SamplingParams(max_tokens=48, temperature=0.0, logprobs=5, ignore_eos=True)
-    expected = LLM(model, **common).generate(prompts, params, use_tqdm=False)
-    tp = LLM(model, tensor_parallel_size=2, speculative_config=ngram, **common)
+    expected = LLM(model, dtype="float32", **common).generate(prompts, params, use_tqdm=False)
+    tp = LLM(model, dtype="float32", tensor_parallel_size=2, speculative_config=ngram, **common)
     try:
         got = tp.generate(prompts, params, use_tqdm=False)
         assert_same(got, expected, TOL)

@@ -46,7 +46,7 @@ def constrained(max_tokens: int = 96, temperature: float = 0.0, **constraint) ->
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_batched_tokens=512, kv_cache_memory_gb=0.25, max_num_seqs=32)
+    return LLM(dtype="float32", max_num_batched_tokens=512, kv_cache_memory_gb=0.25, max_num_seqs=32)
 
 
 @pytest.fixture(scope="module")

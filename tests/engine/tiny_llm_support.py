@@ -19,6 +19,7 @@ def build_llm(model: str, tiny_gguf: str | None = None, tiny_max_model_len: int 
     on the tiny model, `tiny_max_model_len` (without chunked prefill one step takes a whole prompt
     up to max_model_len, and a KV pool must hold max_model_len)."""
     args = dict(engine_args)
+    args.setdefault("dtype", "float32")  # the exact mode, whose tokens the tests compare across configurations
     if "num_kv_blocks" not in args:
         args.setdefault("kv_cache_memory_gb", 0.25)
     if model == TINY:

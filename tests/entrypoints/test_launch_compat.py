@@ -10,6 +10,7 @@ import shlex
 
 import pytest
 
+from chunkserve.config import cpu
 from chunkserve.config.engine import EngineArgs, human_readable_int
 from chunkserve.entrypoints.args import ServerArgs
 from chunkserve.entrypoints.cli import _serve_args, build_parser, expand_config_file, main
@@ -155,7 +156,14 @@ def test_version(capsys):
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("chunkserve ")
 
 
-def test_offline_dtype_spellings():
-    assert EngineArgs(dtype="auto").dtype == "float32" and EngineArgs(dtype="float").dtype == "float32"
+def test_offline_dtype_spellings(monkeypatch):
+    """auto is vLLM's rule: bfloat16 where the CPU computes it natively (AVX512_BF16 or AMX), else
+    float32; it is resolved when the settings are made, so the server reports what runs."""
+    for flags, expected in (({"avx2", "avx512f"}, "float32"), ({"avx512f", "avx512_bf16"}, "bfloat16"),
+                            ({"amx_tile", "amx_bf16"}, "bfloat16"), (set(), "float32")):
+        monkeypatch.setattr(cpu, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert EngineArgs(dtype="auto").dtype == expected
+        assert EngineArgs().dtype == expected  # the default
+    assert EngineArgs(dtype="float").dtype == "float32"
     with pytest.raises(InvalidRequestError, match="bfloat16"):
         EngineArgs(dtype="float16")

@@ -47,7 +47,7 @@ def model_with_generation_config(tmp_path_factory, tiny_model_dir):
 
 
 def test_generation_config_sets_the_defaults_as_in_vllm(model_with_generation_config):
-    llm = LLM(model_with_generation_config, kv_cache_memory_gb=0.05)
+    llm = LLM(model_with_generation_config, dtype="float32", kv_cache_memory_gb=0.05)
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 20, 5)
     prompt = "One two three"
@@ -55,22 +55,22 @@ def test_generation_config_sets_the_defaults_as_in_vllm(model_with_generation_co
     assert len(output.outputs[0].token_ids) <= 5
     (again,) = llm.generate(prompt, use_tqdm=False)  # greedy: the same answer
     assert again.outputs[0].token_ids == output.outputs[0].token_ids
-    plain = LLM(model_with_generation_config, kv_cache_memory_gb=0.05, generation_config="vllm")
+    plain = LLM(model_with_generation_config, dtype="float32", kv_cache_memory_gb=0.05, generation_config="vllm")
     assert plain.get_default_sampling_params() == SamplingParams()
 
 
 def test_a_chat_template_string_or_file_replaces_the_tokenizers(tmp_path, tiny_model_dir):
     template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
-    llm = LLM(tiny_model_dir, kv_cache_memory_gb=0.05, chat_template=template)
+    llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory_gb=0.05, chat_template=template)
     tokenizer = llm.get_tokenizer()
     assert tokenizer.decode(llm.apply_chat_template([{"role": "user", "content": "hi"}])) == "<<hi>>"
     path = tmp_path / "template.jinja"
     path.write_text(template)
-    from_file = LLM(tiny_model_dir, kv_cache_memory_gb=0.05, chat_template=str(path))
+    from_file = LLM(tiny_model_dir, dtype="float32", kv_cache_memory_gb=0.05, chat_template=str(path))
     assert from_file.apply_chat_template([{"role": "user", "content": "hi"}]) == \
         llm.apply_chat_template([{"role": "user", "content": "hi"}])
     with pytest.raises(ModelLoadError, match="looks like a file name"):
-        LLM(tiny_model_dir, kv_cache_memory_gb=0.05, chat_template=str(tmp_path / "missing.jinja"))
+        LLM(tiny_model_dir, dtype="float32", kv_cache_memory_gb=0.05, chat_template=str(tmp_path / "missing.jinja"))
 
 
 def test_dtype_auto_loads_as_float32(tiny_model_dir):
@@ -110,7 +110,7 @@ def llama(tmp_path_factory, default_tokenizer):
     """A tiny random Llama: our LLM on it and transformers' model."""
     folder = tmp_path_factory.mktemp("tiny-llama-compat")
     model = save_tiny_llama(folder, default_tokenizer)
-    return LLM(str(folder), kv_cache_memory_gb=0.05), model
+    return LLM(str(folder), dtype="float32", kv_cache_memory_gb=0.05), model
 
 
 def engine_records(llm: LLM, prompt: list[int], params: SamplingParams):

@@ -47,9 +47,9 @@ def hf_logprobs(model_dir: str, prompt: list[int], tokens: list[int]) -> list[fl
 def test_tp2_equals_tp1_and_transformers(tiny_dir, default_tokenizer, budget):
     prompts = prompts_of(default_tokenizer)
     common = dict(max_num_batched_tokens=budget, max_num_seqs=16, num_kv_blocks=256, block_size=4)
-    tp1 = LLM(tiny_dir, **common)
+    tp1 = LLM(tiny_dir, dtype="float32", **common)
     expected = run(tp1, prompts) + run(tp1, [prefix_hit_prompt(default_tokenizer)])
-    tp = LLM(tiny_dir, tensor_parallel_size=2, **common)
+    tp = LLM(tiny_dir, dtype="float32", tensor_parallel_size=2, **common)
     try:
         got = run(tp, prompts) + run(tp, [prefix_hit_prompt(default_tokenizer)])
         assert_same(got, expected, TOL)
@@ -72,8 +72,8 @@ def test_tp2_under_forced_preemption_equals_tp1(tiny_dir, default_tokenizer):
     prompts = prompts_of(default_tokenizer)[:5]  # 307 prompt tokens + 200 outputs in a pool of 224 tokens
     common = dict(max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=56, block_size=4,
                   enable_prefix_caching=False)
-    expected = run(LLM(tiny_dir, **common), prompts, max_tokens=40)
-    tp = LLM(tiny_dir, tensor_parallel_size=2, **common)
+    expected = run(LLM(tiny_dir, dtype="float32", **common), prompts, max_tokens=40)
+    tp = LLM(tiny_dir, dtype="float32", tensor_parallel_size=2, **common)
     try:
         got = run(tp, prompts, max_tokens=40)
         assert sum(r.num_preemptions for r in tp.engine.step_records) > 0, "the small pool was meant to preempt"
@@ -92,7 +92,8 @@ def test_pp2_greedy_tokens_equal_tp1_with_chunks_in_consecutive_micro_batches(de
     prompts.append(tokenizer.encode("Once upon a time, in a land far away, " * 40))  # a long prompt: many chunks
     params = SamplingParams(max_tokens=32, temperature=0.0)
     expected = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params, use_tqdm=False)]
-    pp = LLM(pipeline_parallel_size=2, max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32)
+    pp = LLM(dtype="float32",
+             pipeline_parallel_size=2, max_num_batched_tokens=64, kv_cache_memory_gb=0.25, max_num_seqs=32)
     try:
         got = [o.outputs[0].token_ids for o in pp.generate(prompts, params, use_tqdm=False)]
         assert got == expected
@@ -131,12 +132,12 @@ def pp_request_id_of_longest(records) -> str:
 def test_tp2_on_smollm2_is_refused_at_start_up_with_vllms_message():
     with pytest.raises(InvalidRequestError, match=r"Total number of attention heads \(9\) must be divisible by "
                                                   r"tensor parallel size \(2\)"):
-        LLM(tensor_parallel_size=2)
+        LLM(dtype="float32", tensor_parallel_size=2)
 
 
 def test_uni_executor_refuses_several_ranks():
     with pytest.raises(InvalidRequestError, match="distributed-executor-backend mp"):
-        LLM(tensor_parallel_size=3, distributed_executor_backend="uni")
+        LLM(dtype="float32", tensor_parallel_size=3, distributed_executor_backend="uni")
 
 
 @pytest.mark.slow
@@ -145,7 +146,7 @@ def test_tp3_on_smollm2_equals_tp1(default_llm):
                for q in ["What is the capital of France?", "Write a haiku about the sea."]]
     params = SamplingParams(max_tokens=24, temperature=0.0)
     expected = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params, use_tqdm=False)]
-    tp = LLM(tensor_parallel_size=3, max_num_batched_tokens=64, kv_cache_memory_gb=0.25)
+    tp = LLM(dtype="float32", tensor_parallel_size=3, max_num_batched_tokens=64, kv_cache_memory_gb=0.25)
     try:
         assert [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)] == expected
     finally:
@@ -158,8 +159,8 @@ def test_pp2_with_a_tbt_slo_profiles_each_stage_and_sizes_micro_batches(tmp_path
     model = tiny_llama(tmp_path, default_tokenizer, 2)
     prompts = prompts_of(default_tokenizer)
     common = dict(max_num_batched_tokens=512, num_kv_blocks=256, block_size=4, tbt_slo_ms=500)
-    expected = run(LLM(model, **common), prompts)
-    pp = LLM(model, pipeline_parallel_size=2, **common)
+    expected = run(LLM(model, dtype="float32", **common), prompts)
+    pp = LLM(model, dtype="float32", pipeline_parallel_size=2, **common)
     try:
         assert_same(run(pp, prompts), expected, TOL)
         records = list(pp.engine.step_records)

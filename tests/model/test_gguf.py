@@ -83,7 +83,7 @@ def test_engine_serves_a_gguf_with_its_own_tokenizer(tiny_model_dir, tmp_path, m
 
     monkeypatch.setenv("CHUNKSERVE_CACHE", str(tmp_path / "cache"))  # where the GGUF's tokenizer is saved
     path = write_gguf(tiny_model_dir, str(tmp_path / "tiny.gguf"), tokenizer_from=default_model_path())
-    llm = LLM(path, max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64)
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64)
     try:
         prompt = "The capital of France is"
         output = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),

@@ -66,7 +66,7 @@ def cache_config_labels(engine_args: EngineArgs) -> dict[str, str]:
     (`num_gpu_blocks`, the pool's size, comes from the engine's stats)."""
     return {
         "block_size": str(engine_args.block_size),
-        "cache_dtype": "auto",  # the KV pool holds the model's dtype, which vLLM calls auto
+        "cache_dtype": engine_args.dtype,  # the KV pool's (--dtype, auto resolved for this CPU)
         "enable_prefix_caching": str(engine_args.enable_prefix_caching),
         "prefix_caching_hash_algo": "sha256",
         "num_gpu_blocks_override": str(engine_args.num_kv_blocks),

@@ -51,7 +51,8 @@ def value(metrics: EngineMetrics, name: str, **labels: str) -> float | None:
 
 @pytest.fixture
 def metrics() -> EngineMetrics:
-    return EngineMetrics("m", max_model_len=128, engine_args=EngineArgs(block_size=16, num_kv_blocks=64))
+    return EngineMetrics("m", max_model_len=128, engine_args=EngineArgs(block_size=16, num_kv_blocks=64,
+                                                                                   dtype="float32"))
 
 
 def test_time_per_output_token_is_one_observation_per_gap_and_the_request_mean_is_apart(metrics):
@@ -100,7 +101,7 @@ def test_iteration_tokens_counts_each_steps_prompt_and_decode_tokens(metrics):
 def test_kv_cache_usage_under_both_names_and_the_cache_config_as_labels(metrics):
     metrics.observe(None, [], stats(num_free_blocks=48, num_blocks=64))
     assert value(metrics, "kv_cache_usage_perc") == value(metrics, "gpu_cache_usage_perc") == 0.25
-    config = {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True",
+    config = {"block_size": "16", "cache_dtype": "float32", "enable_prefix_caching": "True",
               "prefix_caching_hash_algo": "sha256", "num_gpu_blocks_override": "64"}
     assert value(metrics, "cache_config_info", **config, num_gpu_blocks="64") == 1
     metrics.observe(None, [], stats(num_free_blocks=100, num_blocks=100))  # a new engine core, a new pool

@@ -29,7 +29,7 @@ def tiny_dir(tmp_path_factory, default_tokenizer):
 @pytest.fixture(scope="module")
 def expected(tiny_dir):
     """TP 1's greedy texts, offline."""
-    llm = LLM(tiny_dir, num_kv_blocks=64)
+    llm = LLM(tiny_dir, dtype="float32", num_kv_blocks=64)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
@@ -142,6 +142,7 @@ def test_two_nodes_through_torchrun_equal_tp1(tmp_path_factory, tiny_dir, expect
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--master-addr", "127.0.0.1", "--master-port", str(port)]
     serve = ["-m", "chunkserve", "serve", "--model", tiny_dir, "--num-kv-blocks", "64", "-tp", "2",
+             "--dtype", "float32",
              "--port", str(http_port), "--api-key", API_KEY]
     folder = tmp_path_factory.mktemp("torchrun")
     launched = []

@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from chunkserve.config.cpu import auto_dtype
 from chunkserve.engine.core import TEST_STEP_DELAY_ENV
 from tests.server_process import Server, free_port, stop_server, wait_until_up
 from tests.tiny_model import STEP_DELAY_MS, TINY_SERVER_ENV
@@ -174,6 +175,10 @@ def test_sglang_info_and_deep_health_endpoints(vllm_server, tiny_gguf):
         server_info = http.get("/get_server_info").json()
         assert server_info["max_model_len"] == 2000 and server_info["served_model_name"] == ["gpt-4o-mini", "smollm"]
         assert "api_key" not in server_info and KEY not in json.dumps(server_info)
+        assert server_info["dtype"] == auto_dtype()  # --dtype auto, as this CPU resolves it
+        cache_config = [line for line in http.get("/metrics").text.splitlines()
+                        if line.startswith("chunkserve:cache_config_info{")]
+        assert cache_config and all(f'cache_dtype="{auto_dtype()}"' in line for line in cache_config)
         assert http.get("/health_generate").status_code == 200
         flush = http.post("/flush_cache")
         assert flush.status_code == 404 and "--admin-api-key" in flush.json()["error"]["message"]

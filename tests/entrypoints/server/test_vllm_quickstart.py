@@ -121,7 +121,7 @@ def test_the_offline_quickstart(hub_cache, monkeypatch):
     prompts = ["Hello, my name is", "The president of the United States is", "The capital of France is",
                "The future of AI is"]
     sampling_params = SamplingParams(temperature=0.8, top_p=0.95)
-    llm = LLM(model=MODEL_ID)
+    llm = LLM(dtype="float32", model=MODEL_ID)
     outputs = llm.generate(prompts, sampling_params)
     assert [output.prompt for output in outputs] == prompts
     assert all(output.outputs[0].text for output in outputs)

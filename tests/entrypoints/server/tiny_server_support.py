@@ -32,5 +32,5 @@ def tiny_offline_llm(tiny_gguf: str):
     """The in-process engine with the tiny server's flags: greedy answers must match it token for token."""
     from chunkserve import LLM
 
-    return LLM(model=tiny_gguf, max_model_len=4096, max_num_batched_tokens=64, kv_cache_memory_gb=0.25,
+    return LLM(dtype="float32", model=tiny_gguf, max_model_len=4096, max_num_batched_tokens=64, kv_cache_memory_gb=0.25,
                max_num_seqs=32)

@@ -1,0 +1,37 @@
+"""What this CPU computes natively, where a setting's default depends on it (`--dtype auto`).
+
+Read from the kernel's CPU flags rather than from torch, so that configuration stays free of
+torch: Linux lists a feature there only when the OS has enabled it too (AVX-512 state saved
+across context switches, AMX tiles permitted).
+"""
+
+from __future__ import annotations
+
+import functools
+
+# /proc/cpuinfo flags of the instructions oneDNN computes bfloat16 products with, and their names
+BF16_FLAGS = {"avx512_bf16": "AVX512_BF16", "amx_bf16": "AMX"}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo is not there: not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bf16() -> bool:
+    """True where the CPU has AVX512_BF16 or AMX: bfloat16 matrix products there run at about
+    twice float32's rate; elsewhere torch emulates them, far slower than float32."""
+    return bool(cpu_flags() & BF16_FLAGS.keys())
+
+
+def auto_dtype() -> str:
+    """`--dtype auto`, as vLLM's CPU build: bfloat16 where the CPU computes it natively, else float32."""
+    return "bfloat16" if native_bf16() else "float32"
