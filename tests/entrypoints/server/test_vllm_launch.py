@@ -174,6 +174,10 @@ def test_sglang_info_and_deep_health_endpoints(vllm_server, tiny_gguf):
         server_info = http.get("/get_server_info").json()
         assert server_info["max_model_len"] == 2000 and server_info["served_model_name"] == ["gpt-4o-mini", "smollm"]
         assert "api_key" not in server_info and KEY not in json.dumps(server_info)
+        threads = server_info["cpu_threads"]  # as the engine process runs them
+        assert threads["threads"] == 1 and threads["pinned"] is False  # TINY_SERVER_ENV's OMP_NUM_THREADS, kept
+        if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):  # else the user's choice stands
+            assert threads["wait_policy"] == "OMP_WAIT_POLICY=PASSIVE"
         assert http.get("/health_generate").status_code == 200
         flush = http.post("/flush_cache")
         assert flush.status_code == 404 and "--admin-api-key" in flush.json()["error"]["message"]
