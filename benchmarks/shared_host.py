@@ -14,7 +14,14 @@ environment and flags, given as `LABEL CHECKOUT [KEY=VALUE ...] [--flag value ..
 run in that checkout with its PYTHONPATH and TORCH_EXTENSIONS_DIR (`CHECKOUT/.ext`), so a worktree of
 the main branch gives the "before". Rounds alternate the variants' order; tables give medians.
 
-    flock /tmp/bench.lock .venv/bin/python benchmarks/shared_host.py --rounds 2 \\
+`--sessions separate` (the default) starts the measured server, the neighbour server and the
+busy process each in a session of its own, as services started apart are: Linux schedules
+each session as an autogroup, and the groups share the CPUs fairly, whatever their thread
+counts. `--sessions shared` keeps them in the benchmark's session, where they compete thread by
+thread. `--autogroup-nice -10` raises every one of these groups (and the benchmark's own), so
+the rest of a shared host's work does not compete with them while they are measured.
+
+    flock /tmp/bench.lock .venv/bin/python benchmarks/shared_host.py --rounds 2 --autogroup-nice -10 \\
         --variant "before /work/wt-base" --variant "after ." --out shared_host.json
 """
 
@@ -45,6 +52,7 @@ DECODE_PROMPT_LEN = 64
 BUSY_LOOP = "while True: pass"
 STREAMS_TIMEOUT_S = 120
 POLL_S = 0.2
+GENERATED = "chunkserve:generation_tokens_total"
 
 
 @dataclass
@@ -85,16 +93,32 @@ def running_requests(service: Service) -> float:
     return service.metrics().get("chunkserve:num_requests_running", 0.0)
 
 
-def start_neighbour(variant: Variant, log_path: str) -> tuple[Service, subprocess.Popen]:
+def start_server(variant: Variant, log_path: str, args: argparse.Namespace) -> Service:
+    separate = args.sessions == "separate"
+    server = Service(serve_command(*variant.flags), log_path, env=variant.environment(), cwd=variant.checkout,
+                     new_session=separate)
+    if separate:
+        set_autogroup_nice(server.popen.pid, args.autogroup_nice)
+    return server
+
+
+def set_autogroup_nice(pid: int | str, nice: int | None) -> None:
+    """The nice of the scheduler autogroup (the session) of `pid`."""
+    if nice is not None:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+
+
+def start_neighbour(variant: Variant, log_path: str, args: argparse.Namespace) -> tuple[Service, subprocess.Popen]:
     """A second server of `variant`, decoding NEIGHBOUR_STREAMS streams once this returns."""
-    neighbour = Service(serve_command(*variant.flags), log_path, env=variant.environment(), cwd=variant.checkout)
+    neighbour = start_server(variant, log_path, args)
     neighbour.wait_healthy()
     with open(log_path, "a") as log:
         load = subprocess.Popen(
             [sys.executable, "-m", "chunkserve.entrypoints.cli", "bench", "serve", "--base-url", neighbour.url,
              "--workload", "random", "--num-prompts", "100000", "--max-concurrency", str(NEIGHBOUR_STREAMS),
              "--input-len", str(DECODE_PROMPT_LEN), "--output-len", str(NEIGHBOUR_OUTPUT_LEN)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, process_group=0)
     deadline = time.monotonic() + STREAMS_TIMEOUT_S
     while running_requests(neighbour) < NEIGHBOUR_STREAMS:
         if time.monotonic() > deadline or load.poll() is not None:
@@ -110,28 +134,36 @@ def stop_process(process: subprocess.Popen) -> None:
 
 
 def measure_case(case: str, server: Service, variant: Variant, args: argparse.Namespace, seed: int,
-                 log_path: str) -> float:
-    """Decode-1 TBT p50 of `server` while `case`'s other work runs."""
+                 log_path: str) -> dict[str, float]:
+    """Decode-1 TBT p50 of `server` while `case`'s other work runs; beside an engine, also the
+    neighbour's output tokens per second meanwhile (what it kept of its own speed)."""
     if case == "alone":
-        return decode_one_tbt_ms(server.url, args, seed)
+        return {"tbt_p50_ms": decode_one_tbt_ms(server.url, args, seed)}
     if case == "busy":
         last_cpu = str(max(os.sched_getaffinity(0)))
-        busy = subprocess.Popen(["taskset", "-c", last_cpu, sys.executable, "-c", BUSY_LOOP], start_new_session=True)
+        separate = args.sessions == "separate"
+        busy = subprocess.Popen(["taskset", "-c", last_cpu, sys.executable, "-c", BUSY_LOOP],
+                                start_new_session=separate, process_group=None if separate else 0)
+        if separate:
+            set_autogroup_nice(busy.pid, args.autogroup_nice)
         try:
-            return decode_one_tbt_ms(server.url, args, seed)
+            return {"tbt_p50_ms": decode_one_tbt_ms(server.url, args, seed)}
         finally:
             stop_process(busy)
-    neighbour, load = start_neighbour(variant, log_path)
+    neighbour, load = start_neighbour(variant, log_path, args)
     try:
-        return decode_one_tbt_ms(server.url, args, seed)
+        tokens, start = neighbour.metrics().get(GENERATED, 0.0), time.monotonic()
+        tbt = decode_one_tbt_ms(server.url, args, seed)
+        rate = (neighbour.metrics().get(GENERATED, 0.0) - tokens) / (time.monotonic() - start)
+        return {"tbt_p50_ms": tbt, "neighbour_tok_s": rate}
     finally:
         stop_process(load)
         neighbour.stop()
 
 
-def run_variant(variant: Variant, args: argparse.Namespace, round_index: int, workdir: str) -> dict[str, float]:
+def run_variant(variant: Variant, args: argparse.Namespace, round_index: int, workdir: str) -> dict[str, dict]:
     log_path = os.path.join(workdir, f"{variant.label}-{round_index}.log")
-    server = Service(serve_command(*variant.flags), log_path, env=variant.environment(), cwd=variant.checkout)
+    server = start_server(variant, log_path, args)
     try:
         server.wait_healthy()
         info = httpx.get(f"{server.url}/get_server_info", timeout=10).json()
@@ -140,8 +172,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, round_index: int, wo
         results = {}
         for case in args.cases:
             results[case] = measure_case(case, server, variant, args, seed=round_index, log_path=log_path)
-            print(f"[{variant.label}] round {round_index} {case}: decode-1 TBT p50 {results[case]:.1f} ms",
-                  file=sys.stderr, flush=True)
+            print(f"[{variant.label}] round {round_index} {case}: {results[case]}", file=sys.stderr, flush=True)
         return results
     finally:
         server.stop()
@@ -157,20 +188,27 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3, help="decode-1 requests per case")
     parser.add_argument("--output-len", type=int, default=32, help="tokens per decode-1 request")
     parser.add_argument("--out", default=None, help="write every measurement as JSON here")
+    parser.add_argument("--sessions", choices=("separate", "shared"), default="separate",
+                        help="the servers and the busy process each in a session (autogroup) of its own, or all in "
+                             "the benchmark's")
+    parser.add_argument("--autogroup-nice", type=int, default=None,
+                        help="nice of the benchmark's autogroups: -10 keeps the host's other work from taking the "
+                             "cores while it measures")
     args = parser.parse_args()
     if unknown := set(args.cases) - set(CASES):
         parser.error(f"unknown cases {sorted(unknown)}; known: {CASES}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the servers' clean-up
+    set_autogroup_nice("self", args.autogroup_nice)
     rows = []
     with tempfile.TemporaryDirectory(prefix="shared_host-") as workdir:
         for round_index in range(args.rounds):
             order = args.variant if round_index % 2 == 0 else args.variant[::-1]
             for variant in order:
-                for case, tbt in run_variant(variant, args, round_index, workdir).items():
-                    rows.append({"variant": variant.label, "case": case, "round": round_index, "tbt_p50_ms": tbt})
+                for case, measured in run_variant(variant, args, round_index, workdir).items():
+                    rows.append({"variant": variant.label, "case": case, "round": round_index, **measured})
     host = machine()
     print(f"\n{host['cpu']}, {host['cpus']} CPUs, commit {host['commit']}; decode-1 TBT p50 (ms), median of "
-          f"{args.rounds} rounds (each round's value in brackets); x = against alone")
+          f"{args.rounds} rounds (each round's value in brackets), {args.sessions} sessions; x = against alone")
     print(f"{'variant':<16}" + "".join(f"{case:>28}" for case in args.cases))
     for variant in args.variant:
         cells = []
@@ -179,7 +217,9 @@ def main() -> None:
             alone = [r["tbt_p50_ms"] for r in rows if r["variant"] == variant.label and r["case"] == "alone"]
             ratio = f" {statistics.median(values) / statistics.median(alone):.1f}x" if alone else ""
             cells.append(f"{statistics.median(values):.1f}{ratio} [{', '.join(f'{v:.0f}' for v in values)}]")
-        print(f"{variant.label:<16}" + "".join(f"{cell:>28}" for cell in cells))
+        rates = [r["neighbour_tok_s"] for r in rows if r["variant"] == variant.label and "neighbour_tok_s" in r]
+        neighbour = f"   neighbour {statistics.median(rates):.0f} tok/s" if rates else ""
+        print(f"{variant.label:<16}" + "".join(f"{cell:>28}" for cell in cells) + neighbour)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"machine": host, "config": {k: v for k, v in vars(args).items() if k != "variant"},

@@ -36,10 +36,12 @@ def serve_command(*flags: str) -> list[str]:
 class Service:
     """`command` (given --port) writing to `log_path`, with `env` as its whole environment (default:
     this process's), pinned to `cpus` ("0", "0-1") when given, run in `cwd` (`python -m` imports
-    from there first)."""
+    from there first). `new_session`: in a session of its own, as a service started apart would
+    be (Linux then schedules it in an autogroup of its own, sharing the CPUs fairly with other
+    sessions' groups), else in this process's session and autogroup."""
 
     def __init__(self, command: list[str], log_path: str, cpus: str | None = None,
-                 env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+                 env: dict[str, str] | None = None, cwd: str | None = None, new_session: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -53,7 +55,8 @@ class Service:
         with open(log_path, "a") as log:
             self.popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                           env=dict(os.environ) if env is None else env,
-                                          preexec_fn=preexec, start_new_session=True, cwd=cwd)
+                                          preexec_fn=preexec, cwd=cwd, start_new_session=new_session,
+                                          process_group=None if new_session else 0)
 
     def stop(self) -> None:
         """SIGTERM (a graceful shutdown), then SIGKILL to whatever of its group is left."""

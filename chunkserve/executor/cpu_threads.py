@@ -8,11 +8,14 @@ loaded, so they reach an engine as the environment of the process that runs it
 (`thread_environment`), set by the process that starts it.
 
 How the threads wait matters on a shared host: libgomp's default spins a waiting thread for
-hundreds of thousands of iterations at each of the ~200 team joins of a decode step, so
-beside another busy process a thread spins on a core while its team-mate waits for that very
-core, and a step takes a scheduler slice per join. Unless the user chose a policy
-(OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment), the engine's threads sleep at once
-(WAIT_POLICY; the measurements that chose it are in docs/benchmarks-log.md).
+300,000 iterations (milliseconds) at each of the ~200 team joins of a decode step, so beside
+another busy process a thread spins on a core while its team-mate waits for that very core,
+and a step takes a scheduler slice per join. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) cures
+that but pays a wake-up at every join even alone; a spin bounded to 1,000 iterations (tens of
+microseconds) covers the gaps between a step's parallel regions and gives the core up soon
+after. Unless the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment), the
+engine's threads get that bound (WAIT_SETTING; the measurements that chose it are in
+docs/benchmarks-log.md, "Sharing a host").
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from chunkserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
+WAIT_SETTING = {"GOMP_SPINCOUNT": "1000"}
 USER_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either one: the user's choice stands
 CGROUP_ROOT = "/sys/fs/cgroup"
 SELF_CGROUP = "/proc/self/cgroup"
@@ -172,7 +175,7 @@ def thread_environment(plan: ThreadPlan | None, environ: Mapping[str, str]) -> d
         env["OMP_PLACES"] = places(plan)
         env["OMP_PROC_BIND"] = "close"
     if not any(name in environ for name in USER_WAIT_SETTINGS):
-        env.update(WAIT_POLICY)
+        env.update(WAIT_SETTING)
     return env
 
 
