@@ -43,102 +43,29 @@ alternate the order (a, b, c, streams-only, then back), and the tables give medi
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
-import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from chunkserve.bench.host import machine
 from chunkserve.bench.serve import add_arguments, run_benchmark
+from chunkserve.bench.service import Service, free_port, serve_command
 
-SERVER_START_TIMEOUT_S = 300
-STOP_TIMEOUT_S = 60
 BUDGET_FLAGS = ["--max-num-batched-tokens", "256"]
 CONFIGS = {"a": "(a) colocated, cores 0-1, 2 threads", "b": "(b) colocated, core 0, 1 thread",
            "c": "(c) prefill core 0 + decode core 1", "c0": "(c) streams only, no long prompts"}
 TRANSFER_METRICS = ("chunkserve:kv_transfer_bytes_total", "chunkserve:kv_transfer_requests_total",
                     "chunkserve:kv_transfer_failed_total", "chunkserve:kv_transfer_latency_seconds_sum",
                     "chunkserve:kv_transfer_latency_seconds_count")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Service:
-    """An HTTP process on a free port of 127.0.0.1, in its own process group (so that its
-    children are ended with it), pinned to `cpus` with `threads` OpenMP/MKL threads."""
-
-    def __init__(self, command: list[str], log_path: str, cpus: str, threads: int) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        command = [*command, "--port", str(self.port)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "OMP_WAIT_POLICY": "passive"}
-        preexec: Callable[[], None] | None = None
-        if shutil.which("taskset"):
-            command = ["taskset", "-c", cpus, *command]
-        else:  # the same pinning, done by the child before it runs the command
-            first, _, last = cpus.partition("-")
-            preexec = functools.partial(os.sched_setaffinity, 0, set(range(int(first), int(last or first) + 1)))
-        with open(log_path, "a") as log:
-            self.popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                          preexec_fn=preexec, start_new_session=True)
-
-    def stop(self) -> None:
-        """SIGTERM (a graceful shutdown), then SIGKILL to whatever of its group is left."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.popen.wait()
-
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.popen.args} exited with {self.popen.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.popen.args} was not healthy within {SERVER_START_TIMEOUT_S} s; see {self.log_path}")
-
-    def metrics(self) -> dict[str, float]:
-        samples: dict[str, float] = {}
-        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=30).text):
-            for sample in family.samples:
-                samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-        return samples
-
-
-def serve_command(*flags: str) -> list[str]:
-    return [sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", "--host", "127.0.0.1", *flags]
 
 
 @dataclass
@@ -164,7 +91,9 @@ def deploy(config: str, args: argparse.Namespace, workdir: str, tag: str, runnin
     kv = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
 
     def start(command: list[str], cpus: str, threads: int) -> Service:
-        service = Service(command, log, cpus, threads)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+               "OMP_WAIT_POLICY": "passive"}
+        service = Service(command, log, cpus, env)
         running.append(service)
         return service
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chunkserve.config.cpu import auto_dtype
+from chunkserve.config.cpu_threads import parse_threads_bind, threads_bind_setting
 from chunkserve.config.limits import CHARS_PER_TOKEN_BOUND, RequestLimits
 from chunkserve.config.parallel import ParallelConfig, parse_layer_partition
 from chunkserve.config.scheduler import (
@@ -240,6 +241,13 @@ class EngineArgs:
         "linear layers of small batches, fused norm/rotary/SiLU; torch = plain torch (the reference); auto = "
         "cpp where it builds", choices=OP_BACKENDS
     )
+    cpu_omp_threads_bind: str | None = arg(
+        None, "the CPUs of the engine's compute threads, as vLLM's VLLM_CPU_OMP_THREADS_BIND (read when this flag is "
+        "not given): auto (the default) = one thread per CPU this process may use (its affinity, capped by its "
+        "cgroup's CPU quota; shared by the ranks of this node), not pinned; nobind = OMP_NUM_THREADS or one per "
+        "allowed CPU; CPU lists, one per rank of this node, e.g. 0-3 or 0-3|4-7 = one thread pinned to each CPU. "
+        "OMP_NUM_THREADS, OMP_WAIT_POLICY and GOMP_SPINCOUNT given in the environment are kept"
+    )
     speculative_config: str | dict | None = arg(
         None, "speculative decoding, as JSON (vLLM's shape): '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}', or '{\"method\": \"draft_model\", \"model\": PATH, "
@@ -304,6 +312,11 @@ class EngineArgs:
             if getattr(self, name) < 1:
                 fail(f"{name} must be at least 1, got {getattr(self, name)}")
         parallel = self.parallel_config()  # checks the parallel flags
+        self.cpu_omp_threads_bind = threads_bind_setting(self.cpu_omp_threads_bind)
+        bind = parse_threads_bind(self.cpu_omp_threads_bind)  # checks the syntax; the executor checks the CPUs
+        if isinstance(bind, list) and len(bind) != len(parallel.local_ranks):
+            fail(f"cpu_omp_threads_bind {self.cpu_omp_threads_bind!r} gives {len(bind)} CPU lists for the "
+                 f"{len(parallel.local_ranks)} rank(s) of this node: give one list per rank, separated by |")
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             fail(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                  f"got {self.distributed_executor_backend!r}")

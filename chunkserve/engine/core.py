@@ -120,7 +120,7 @@ class EngineCore:
         return load_tokenizer(resolve_model(self.config.model), self.config.tokenizer)
 
     def info(self, model_name: str) -> EngineInfo:
-        return EngineInfo(model_name, self.max_model_len, self.model_config.vocab_size)
+        return EngineInfo(model_name, self.max_model_len, self.model_config.vocab_size, self.executor.cpu_threads())
 
     # ----- requests ---------------------------------------------------------------------
 

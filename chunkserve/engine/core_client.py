@@ -4,17 +4,20 @@ frontend's handler (messages.py); the frontend cannot tell them apart."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
+import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.engine.core import EngineCore
 from chunkserve.engine.core_proc import EngineCoreLoop, run_engine_process
 from chunkserve.engine.messages import Command, EngineDied, EngineInfo, Event, Ready, Shutdown, Stopped
 from chunkserve.errors import EngineDeadError
+from chunkserve.executor.cpu_threads import plan_threads, thread_environment
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,10 @@ class ProcessCore:
 
     def __init__(self, args: EngineArgs, on_event: EventHandler, max_waiting_requests: int | None,
                  while_loading: Callable[[], None] = lambda: None) -> None:
+        plan = plan_threads(args.cpu_omp_threads_bind) if args.executor_backend == "uni" else None
+        environment = thread_environment(plan, os.environ)
+        if plan is not None:
+            logger.info("engine compute threads: %s", plan.summary(environment))
         context = multiprocessing.get_context("spawn")
         commands_child, self._commands = context.Pipe(duplex=False)
         self._events, events_child = context.Pipe(duplex=False)
@@ -60,7 +67,8 @@ class ProcessCore:
             target=run_engine_process, name="chunkserve-engine-core", daemon=True,
             args=(args, max_waiting_requests, commands_child, events_child, logging.getLogger().getEffectiveLevel()),
         )
-        self._process.start()
+        with _environment(environment):  # the child's torch reads it as it loads
+            self._process.start()
         commands_child.close()
         events_child.close()
         try:
@@ -133,3 +141,18 @@ class ProcessCore:
 
 
 CoreClient = ThreadCore | ProcessCore
+
+
+@contextlib.contextmanager
+def _environment(environment: dict[str, str]) -> Iterator[None]:
+    """os.environ has `environment`'s values inside (a spawned process inherits them), its own after."""
+    changed = {name: os.environ.get(name) for name, value in environment.items() if os.environ.get(name) != value}
+    os.environ.update({name: environment[name] for name in changed})
+    try:
+        yield
+    finally:
+        for name, value in changed.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value

@@ -50,6 +50,7 @@ class EngineInfo:
     model_name: str
     max_model_len: int
     vocab_size: int
+    cpu_threads: dict | None = None  # the compute threads (executor/cpu_threads.py), where this process runs them
 
 
 # ----- commands (frontend -> core) ----------------------------------------------------------

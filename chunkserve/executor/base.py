@@ -43,6 +43,11 @@ class Executor(ABC):
         `max_concurrent_batches` exceeds 1 (a pipeline) implement it."""
         raise NotImplementedError(f"{type(self).__name__} runs one step at a time: call execute_model")
 
+    def cpu_threads(self) -> dict | None:
+        """The compute threads of this process's worker (executor/cpu_threads.py); None where the
+        workers run in processes of their own."""
+        return None
+
     def set_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         """`callback(error)` is called (from any thread) when the workers fail while the engine
         is not waiting on them; executors whose workers cannot die apart from the engine ignore it."""

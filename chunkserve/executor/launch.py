@@ -13,6 +13,7 @@ import time
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.parallel import ParallelConfig
+from chunkserve.executor.cpu_threads import plan_threads, thread_environment
 from chunkserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -21,22 +22,20 @@ POLL_S = 0.1
 SHUTDOWN_GRACE_S = 10.0
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # taskset and cgroup cpusets count, not the machine's cores
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def spawn_rank_processes(parallel: ParallelConfig, ranks: range) -> dict[int, subprocess.Popen]:
-    """Start the worker processes of `ranks` on this node; each exits when this process is gone."""
+def spawn_rank_processes(parallel: ParallelConfig, ranks: range, threads_bind: str) -> dict[int, subprocess.Popen]:
+    """Start the worker processes of `ranks` on this node; each exits when this process is gone.
+    Each rank gets its share of the CPUs (or its own list of `threads_bind`), so the ranks'
+    OpenMP teams do not fight over them."""
     endpoint = f"tcp://{parallel.master_addr}:{parallel.control_port}"
-    env = dict(os.environ)
-    # each rank gets its share of the cores, so the ranks' OpenMP teams do not fight over them
-    env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // len(ranks))))
-    return {rank: subprocess.Popen([sys.executable, "-m", "chunkserve.executor.rank_process", "--rank", str(rank),
-                                    "--control", endpoint, "--parent-pid", str(os.getpid())], env=env)
-            for rank in ranks}
+    processes = {}
+    for index, rank in enumerate(ranks):
+        plan = plan_threads(threads_bind, index, len(ranks))
+        env = thread_environment(plan, os.environ)
+        logger.info("rank %d compute threads: %s", rank, plan.summary(env))
+        processes[rank] = subprocess.Popen(
+            [sys.executable, "-m", "chunkserve.executor.rank_process", "--rank", str(rank), "--control", endpoint,
+             "--parent-pid", str(os.getpid())], env=env)
+    return processes
 
 
 def stop_processes(processes: dict[int, subprocess.Popen], grace_s: float) -> None:
@@ -59,7 +58,7 @@ def run_headless(config: EngineArgs) -> int:
     if parallel.node_rank == 0:
         raise InvalidRequestError("--headless runs a node other than node 0 (which runs the engine): give "
                                   "--node-rank 1 or more, with --nnodes")
-    processes = spawn_rank_processes(parallel, parallel.local_ranks)
+    processes = spawn_rank_processes(parallel, parallel.local_ranks, config.cpu_omp_threads_bind)
     logger.info("node %d of %d: ranks %s started; engine at %s:%d", parallel.node_rank, parallel.nnodes,
                 list(parallel.local_ranks), parallel.master_addr, parallel.control_port)
     stopping = threading.Event()

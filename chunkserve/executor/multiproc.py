@@ -86,7 +86,7 @@ class MultiprocExecutor(Executor):
         self._busy = False
         self._closed = False
         try:
-            self._processes = spawn_rank_processes(parallel, parallel.local_ranks)
+            self._processes = spawn_rank_processes(parallel, parallel.local_ranks, config.cpu_omp_threads_bind)
             self._await_ranks(pickle.dumps(config))
         except BaseException:
             self.shutdown()

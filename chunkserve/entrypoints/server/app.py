@@ -181,7 +181,7 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_names: list[str], 
         """The launch settings (keys left out) and the engine's limits, as SGLang's endpoint."""
         settings = {**dataclasses.asdict(engine_args), **dataclasses.asdict(args)}
         return {**{k: v for k, v in settings.items() if k not in SECRET_ARGS}, "version": VERSION,
-                "max_model_len": engine.info.max_model_len}
+                "max_model_len": engine.info.max_model_len, "cpu_threads": engine.info.cpu_threads}
 
     @app.post("/abort_request")
     async def abort_request(raw: Request):

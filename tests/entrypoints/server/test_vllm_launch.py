@@ -179,6 +179,10 @@ def test_sglang_info_and_deep_health_endpoints(vllm_server, tiny_gguf):
         cache_config = [line for line in http.get("/metrics").text.splitlines()
                         if line.startswith("chunkserve:cache_config_info{")]
         assert cache_config and all(f'cache_dtype="{auto_dtype()}"' in line for line in cache_config)
+        threads = server_info["cpu_threads"]  # as the engine process runs them
+        assert threads["threads"] == 1 and threads["pinned"] is False  # TINY_SERVER_ENV's OMP_NUM_THREADS, kept
+        if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):  # else the user's choice stands
+            assert threads["wait_policy"] == "GOMP_SPINCOUNT=1000"
         assert http.get("/health_generate").status_code == 200
         flush = http.post("/flush_cache")
         assert flush.status_code == 404 and "--admin-api-key" in flush.json()["error"]["message"]
