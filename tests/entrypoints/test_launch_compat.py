@@ -29,7 +29,7 @@ def serve_args(command: str) -> tuple[EngineArgs, ServerArgs]:
 ACCEPTED = [
     ("vllm serve Qwen/Qwen2.5-1.5B-Instruct", {"model": "Qwen/Qwen2.5-1.5B-Instruct"}),
     ("vllm serve NousResearch/Meta-Llama-3-8B-Instruct --dtype auto --api-key token-abc123",
-     {"dtype": "float32", "api_key": "token-abc123"}),
+     {"dtype": cpu.auto_dtype(), "api_key": "token-abc123"}),
     ("vllm serve meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 2 --max-model-len 32k",
      {"tensor_parallel_size": 2, "max_model_len": 32000}),
     ("vllm serve m --max-model-len 32K --gpu-memory-utilization 0.9 --enforce-eager --trust-remote-code",

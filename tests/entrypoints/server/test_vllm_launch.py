@@ -22,7 +22,6 @@ import httpx
 import openai
 import pytest
 
-from chunkserve.config.cpu import auto_dtype
 from chunkserve.engine.core import TEST_STEP_DELAY_ENV
 from tests.server_process import Server, free_port, stop_server, wait_until_up
 from tests.tiny_model import STEP_DELAY_MS, TINY_SERVER_ENV
@@ -35,7 +34,7 @@ def vllm_server(tmp_path_factory, tiny_gguf):
     port = free_port()
     log_path = str(tmp_path_factory.mktemp("vllm_launch") / "server.log")
     command = [sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", tiny_gguf,
-               "--served-model-name", "gpt-4o-mini", "smollm", "--port", str(port), "--dtype", "auto",
+               "--served-model-name", "gpt-4o-mini", "smollm", "--port", str(port), "--dtype", "float",
                "--max-model-len", "2k", "--gpu-memory-utilization", "0.9", "--enforce-eager", "--trust-remote-code",
                "--disable-log-requests", "--kv-cache-memory-bytes", "256M", "--trust-request-chat-template",
                "--allowed-origins", '["https://app.example"]', "--root-path", "/llm"]
@@ -175,10 +174,10 @@ def test_sglang_info_and_deep_health_endpoints(vllm_server, tiny_gguf):
         server_info = http.get("/get_server_info").json()
         assert server_info["max_model_len"] == 2000 and server_info["served_model_name"] == ["gpt-4o-mini", "smollm"]
         assert "api_key" not in server_info and KEY not in json.dumps(server_info)
-        assert server_info["dtype"] == auto_dtype()  # --dtype auto, as this CPU resolves it
+        assert server_info["dtype"] == "float32"  # vLLM's spelling --dtype float, resolved
         cache_config = [line for line in http.get("/metrics").text.splitlines()
                         if line.startswith("chunkserve:cache_config_info{")]
-        assert cache_config and all(f'cache_dtype="{auto_dtype()}"' in line for line in cache_config)
+        assert cache_config and all('cache_dtype="float32"' in line for line in cache_config)
         threads = server_info["cpu_threads"]  # as the engine process runs them
         assert threads["threads"] == 1 and threads["pinned"] is False  # TINY_SERVER_ENV's OMP_NUM_THREADS, kept
         if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):  # else the user's choice stands
