@@ -62,9 +62,10 @@ SMALL_BATCH_MAX_ROWS = 512
 # could not be packed keep the rules above.
 ONEDNN_MIN_ROWS = 32
 # In bfloat16 mode, from this many rows oneDNN's bfloat16 linear takes a layer's steps from the
-# C++ kernel on its GGUF blocks: above it is clearly the faster; below, the two are close
-# (docs/benchmarks-log.md, "bfloat16 mode") and the blocks keep decode in float32 arithmetic.
-BF16_ONEDNN_MIN_ROWS = 4
+# C++ kernel on its GGUF blocks: whole decode steps are faster with it from 3 rows, slower at 1
+# and 2 (docs/benchmarks-log.md, "bfloat16 mode"), where the blocks also keep float32 arithmetic.
+# A faster block kernel moves this up: measure again with it.
+BF16_ONEDNN_MIN_ROWS = 3
 # The LM head (49152 x 576) is a shape MKL handles poorly: the C++ kernel is faster up to
 # 1024 rows at least (300 vs 397 ms at 1024).
 LOGITS_MAX_ROWS = 1024
