@@ -1,8 +1,10 @@
 """Whole engine steps with the layers' oneDNN-packed weights on and off (in-process, the
 default model): what `ONEDNN_MIN_ROWS` buys per step shape. Each shape is timed `--repeats`
-times, alternating the two, with `EngineCore.time_synthetic_step`; medians are printed.
+times, alternating the two, with `EngineCore.time_synthetic_step`; medians are printed. With
+`--dtype bfloat16` the packed weights are bfloat16 and "off" is the GGUF blocks' C++ kernel at
+every row count: what `BF16_ONEDNN_MIN_ROWS` buys.
 
-    .venv/bin/python benchmarks/onednn_steps.py [--repeats 5]
+    .venv/bin/python benchmarks/onednn_steps.py [--repeats 5] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ from chunkserve.model.llama import Linear
 
 # name -> (start position, tokens) per request, as time_synthetic_step takes them
 SHAPES = {
-    "8 decodes (under 32 rows: unchanged path)": [(256, 1)] * 8,
+    "1 decode": [(256, 1)],
+    "2 decodes": [(256, 1)] * 2,
+    "3 decodes": [(256, 1)] * 3,
+    "4 decodes": [(256, 1)] * 4,
+    "8 decodes": [(256, 1)] * 8,
     "a 32-token chunk": [(0, 32)],
     "a 48-token chunk": [(0, 48)],
     "a 64-token chunk": [(0, 64)],
@@ -30,8 +36,9 @@ SHAPES = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    engine = LLMEngine(EngineArgs(kv_cache_memory_gb=1, max_num_batched_tokens=512))
+    engine = LLMEngine(EngineArgs(kv_cache_memory_gb=1, max_num_batched_tokens=512, dtype=args.dtype))
     model = engine.engine_core.executor.worker.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
     packed = [layer.packed for layer in layers]

@@ -81,9 +81,9 @@ class EngineArgs:
     dtype: str = arg(
         "auto", "float32: every op in float32, logits equal to transformers'; bfloat16: the linear layers' "
         "products (the GGUF blocks' decode steps of a few rows excepted) and the KV cache in bfloat16, the residual "
-        "stream, norms and logits in float32, for about twice the prefill speed; needs a CPU with AVX512_BF16 or AMX "
-        "(refused elsewhere: use float32); auto: bfloat16 where the CPU has it, else float32 (vLLM's rule); float "
-        "means float32", choices=DTYPE_CHOICES
+        "stream, norms and logits in float32: faster prompts and batched decodes under an accuracy contract "
+        "(docs/PRECISION.md); needs a CPU with AVX512_BF16 or AMX (refused elsewhere: use float32); auto: bfloat16 "
+        "where the CPU has it, else float32 (vLLM's rule); float means float32", choices=DTYPE_CHOICES
     )
     max_model_len: int | None = arg(
         None, "longest prompt + output in tokens, e.g. 4096, 32k (32,000) or 32K (32,768) (default: the model's "

@@ -69,7 +69,8 @@ ONEDNN_MIN_ROWS = 32
 # In bfloat16 mode, from this many rows oneDNN's bfloat16 linear takes a layer's steps from the
 # C++ kernel on its GGUF blocks: below, the kernel (AVX-512, blocks expanded in registers) is the
 # faster and keeps decode in float32 arithmetic (docs/benchmarks-log.md, "bfloat16 mode": the
-# 30 layers at 8 rows 7.4 against 8.0 ms, at 12 rows 10.5 against 8.9).
+# 30 layers at 8 rows 7.4 against 8.0 ms, at 12 rows 10.5 against 8.9; whole steps against the
+# earlier AVX2 kernel favoured oneDNN from 3 rows).
 BF16_ONEDNN_MIN_ROWS = 10
 # The LM head (49152 x 576) is a shape MKL handles poorly: the C++ kernel is faster up to
 # 1024 rows at least (300 vs 397 ms at 1024).

@@ -12,7 +12,7 @@ import torch
 from chunkserve.config.model import resolve_model
 from chunkserve.model.llama import Linear
 from chunkserve.model.loader import load_model, load_model_config
-from chunkserve.ops.cpu_features import native_bf16
+from chunkserve.config.cpu import native_bf16
 from tests.paged_runner import PagedRunner, reference_logits
 
 ATOL = 1e-4

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chunkserve.config.model import resolve_model
-from chunkserve.errors import ModelLoadError
+from chunkserve.errors import InvalidRequestError, ModelLoadError
 from chunkserve.model.loader import load_model, load_model_config
 from tests.paged_runner import PagedRunner, reference_logits
 
@@ -80,6 +80,19 @@ def test_bfloat16_keeps_float32_parameters_and_is_close(tiny_model_dir):
     linears = [m for m in bf16.layers.modules() if hasattr(m, "packed")]
     assert all(m.packed.dtype == torch.bfloat16 and m.weight.is_meta for m in linears)
     assert (logits[0] - logits[1]).abs().max() < 0.05 * logits[0].abs().max()
+
+
+def test_bfloat16_is_refused_on_a_cpu_without_native_bf16(monkeypatch, tiny_model_dir):
+    """Without AVX512_BF16 or AMX torch emulates bfloat16 products far slower than float32: the
+    load refuses, naming what is missing and the way out."""
+    from chunkserve.config import cpu
+
+    source = resolve_model(tiny_model_dir)
+    config = load_model_config(source)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    with pytest.raises(InvalidRequestError, match=r"AVX512_BF16 or AMX.*use --dtype float32"):
+        load_model(source, config, "bfloat16", 256)
+    load_model(source, config, "float32", 256)
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):

@@ -1,0 +1,81 @@
+"""`--dtype float32` against `--dtype bfloat16`, in-process, on the default model.
+
+Two offline engines (`LLM`, the C++ ops, no prefix caching), one per dtype, run in turn
+`--repeats` times each, alternating:
+
+* Scenario A: 64 random-token prompts of 256 tokens, 64 greedy output tokens each (EOS
+  ignored), submitted at once at the default step budget; output tokens over the wall time of
+  `generate`.
+* decode-1 and decode-8: 1 and 8 requests of 64-token prompts decode 32 tokens together; the
+  median duration of the steps that decode the whole batch (as benchmarks/decode_step.py).
+
+Medians over the repeats are printed, with the CPU's bfloat16 support (bfloat16 refuses to
+start without it).
+
+    .venv/bin/python benchmarks/dtype_speed.py [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from chunkserve import LLM, SamplingParams
+
+DTYPES = ("float32", "bfloat16")
+
+
+def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(count)]
+
+
+def scenario_a_tok_s(llm: LLM, seed: int) -> float:
+    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
+    start = time.perf_counter()
+    outputs = llm.generate(random_prompts(64, 256, seed), params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
+
+
+def decode_step_ms(llm: LLM, batch: int, seed: int) -> float:
+    before = len(llm.get_step_records())
+    llm.generate(random_prompts(batch, 64, seed), SamplingParams(max_tokens=32, ignore_eos=True, temperature=0),
+                 use_tqdm=False)
+    steps = [r for r in llm.get_step_records()[before:]
+             if r.forward_mode.name == "DECODE" and r.num_decode_tokens == batch]
+    return statistics.median(r.duration_s * 1000 for r in steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    capabilities = torch.cpu.get_capabilities()
+    print(f"CPU {capabilities.get('cpu_name')}, torch capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"avx512_bf16 {capabilities.get('avx512_bf16')}, amx_bf16 {capabilities.get('amx_bf16')}")
+    engines = {dtype: LLM(dtype=dtype, kv_cache_memory_gb=2, enable_prefix_caching=False) for dtype in DTYPES}
+    metrics = {"Scenario A (out tok/s)": lambda llm, seed: scenario_a_tok_s(llm, seed),
+               "decode-1 step (ms)": lambda llm, seed: decode_step_ms(llm, 1, seed),
+               "decode-8 step (ms)": lambda llm, seed: decode_step_ms(llm, 8, seed)}
+    results: dict[tuple[str, str], list[float]] = {}
+    for repeat in range(args.repeats):
+        for name, measure in metrics.items():
+            for dtype in DTYPES:
+                value = measure(engines[dtype], repeat)
+                results.setdefault((name, dtype), []).append(value)
+                print(f"repeat {repeat}: {name} {dtype} {value:.1f}", flush=True)
+    print(f"{'metric':<24}{'float32':>10}{'bfloat16':>10}{'bf16/fp32':>11}   all runs (float32; bfloat16)")
+    for name in metrics:
+        fp32, bf16 = (results[(name, dtype)] for dtype in DTYPES)
+        print(f"{name:<24}{statistics.median(fp32):>10.1f}{statistics.median(bf16):>10.1f}"
+              f"{statistics.median(bf16) / statistics.median(fp32):>10.2f}x   "
+              f"{', '.join(f'{v:.1f}' for v in fp32)}; {', '.join(f'{v:.1f}' for v in bf16)}")
+
+
+if __name__ == "__main__":
+    main()

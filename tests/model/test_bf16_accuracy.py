@@ -1,0 +1,114 @@
+"""bfloat16 mode's model-level accuracy contract (`--dtype bfloat16`; issue 38, item 7), on
+SmolLM2-135M's real weights against transformers in float32 on the same weights, 32 prompts x
+64 greedy tokens:
+
+* vLLM's rule (`check_logprobs_close`): where our greedy output and transformers' first differ,
+  each side's token is among the other's top-5 logprobs at that position;
+* the greedy agreement rate: over transformers' 64 tokens of every prompt, teacher-forced (both
+  fed the same sequence), how often our most likely next token is transformers';
+* the mean KL divergence KL(transformers || ours) of the next-token distributions there.
+
+The thresholds sit above what was measured (docs/PRECISION.md). The tiny model's check of the same
+path is the default tier's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chunkserve import LLM, SamplingParams
+from chunkserve.config.model import resolve_model
+from chunkserve.model.loader import load_model, load_model_config
+from chunkserve.config.cpu import native_bf16
+from tests.model.bf16_support import ACCURACY_PROMPTS, first_divergence, kl_per_token, teacher_forced_logits
+
+NEW_TOKENS = 64
+MIN_AGREEMENT = 0.97  # teacher-forced greedy agreement
+MAX_MEAN_KL = 1e-3  # nats per token
+MIN_TINY_AGREEMENT = 0.9
+MAX_TINY_MEAN_KL = 2e-3
+
+pytestmark = pytest.mark.skipif(not native_bf16(), reason="bfloat16 mode needs AVX512_BF16 or AMX")
+
+
+def hf_greedy(hf_model, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' NEW_TOKENS greedy tokens of each prompt (EOS does not stop it, as
+    ignore_eos) and the float32 logits that chose each: the prompts batched, left-padded."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    tokens, logits = [], []
+    with torch.inference_mode():
+        out = hf_model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        for _ in range(NEW_TOKENS):
+            logits.append(out.logits[:, -1].float())
+            tokens.append(logits[-1].argmax(-1))
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=-1)
+            positions = positions[:, -1:] + 1
+            out = hf_model(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=positions,
+                           past_key_values=out.past_key_values, use_cache=True)
+    tokens, logits = torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
+    return [(tokens[i].tolist(), logits[i]) for i in range(len(prompts))]
+
+
+@pytest.mark.slow
+def test_bf16_mode_meets_the_accuracy_contract_on_smollm2(hf_default_model, default_tokenizer, cpp_ops):
+    prompts = [default_tokenizer.encode(text) for text in ACCURACY_PROMPTS]
+    reference = hf_greedy(hf_default_model, prompts)
+
+    # free-running greedy, the 32 requests batched as a server would (decode steps of 32 rows)
+    llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.25, max_num_seqs=32, enable_prefix_caching=False)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5),
+                           use_tqdm=False)
+    broken, diverged = [], 0
+    for prompt, (hf_tokens, hf_logits), output in zip(prompts, reference, outputs):
+        ours = output.outputs[0]
+        at = first_divergence(ours.token_ids, hf_tokens)
+        if at is None:
+            continue
+        diverged += 1
+        our_top5 = {token for token, entry in ours.logprobs[at].items() if entry.rank is not None and entry.rank <= 5}
+        hf_top5 = set(hf_logits[at].topk(5).indices.tolist())
+        if hf_tokens[at] not in our_top5 or ours.token_ids[at] not in hf_top5:
+            broken.append((default_tokenizer.decode(prompt), at))
+
+    # teacher-forced: our logits on transformers' sequences (prefill rows: bfloat16 linears throughout)
+    source = resolve_model(None)
+    model = load_model(source, load_model_config(source), "bfloat16", 1024)
+    ours = teacher_forced_logits(model, [prompt + tokens[:-1] for prompt, (tokens, _) in zip(prompts, reference)],
+                                 NEW_TOKENS, cpp_ops)
+    hf_logits = torch.cat([logits for _, logits in reference])
+    agreement = float((ours.argmax(-1) == hf_logits.argmax(-1)).float().mean())
+    mean_kl = float(kl_per_token(hf_logits, ours).mean())
+    print(f"bf16 vs transformers fp32: {diverged}/32 greedy outputs diverge within {NEW_TOKENS} tokens, "
+          f"vLLM's rule broken at {len(broken)}; teacher-forced agreement {agreement:.4f}, mean KL {mean_kl:.2e}")
+    assert not broken, f"vLLM's top-5 rule fails for {broken}"
+    assert agreement >= MIN_AGREEMENT
+    assert mean_kl <= MAX_MEAN_KL
+
+
+def test_bf16_mode_on_the_tiny_model_stays_close_to_float32(tiny_gguf, cpp_ops):
+    """The same path on the tiny GGUF (default tier): bfloat16 mode's logits against float32 mode's
+    (which are transformers', tests/model/test_gguf.py) over random sequences, teacher-forced."""
+    source = resolve_model(tiny_gguf)
+    config = load_model_config(source)
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(3, config.vocab_size, (48,), generator=generator).tolist() for _ in range(4)]
+    float32, bf16 = (teacher_forced_logits(load_model(source, config, dtype, 256), sequences, 48, cpp_ops)
+                     for dtype in ("float32", "bfloat16"))
+    assert float((bf16.argmax(-1) == float32.argmax(-1)).float().mean()) >= MIN_TINY_AGREEMENT
+    assert float(kl_per_token(float32, bf16).mean()) <= MAX_TINY_MEAN_KL
+
+
+def test_bf16_serving_writes_a_bf16_kv_the_tiers_can_carry(tiny_gguf):
+    """An engine in bfloat16 mode generates, with a bfloat16 KV pool whose block payloads are the
+    size the fingerprint's layout (snapshots, disk tier, disaggregation) says."""
+    llm = LLM(model=tiny_gguf, dtype="bfloat16", max_model_len=256, kv_cache_memory_gb=0.05)
+    output = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == 8
+    worker = llm.engine.engine_core.executor.worker
+    layout = worker.kv_fingerprint().layout
+    assert worker.runner.kv_pool.dtype == torch.bfloat16 and layout.dtype == "bfloat16"
+    assert len(worker.read_kv_blocks([0])[0]) == layout.block_bytes
