@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from chunkserve import LLM, SamplingParams
+from chunkserve.config.cpu import auto_dtype
 from chunkserve.engine.outputs import Logprob
 from chunkserve.errors import InvalidRequestError, ModelLoadError
 from chunkserve.sampling_params import RequestOutputKind
@@ -73,9 +74,12 @@ def test_a_chat_template_string_or_file_replaces_the_tokenizers(tmp_path, tiny_m
         LLM(tiny_model_dir, dtype="float32", kv_cache_memory_gb=0.05, chat_template=str(tmp_path / "missing.jinja"))
 
 
-def test_dtype_auto_loads_as_float32(tiny_model_dir):
+def test_dtype_auto_loads_as_this_cpus_dtype_and_generates(tiny_model_dir):
+    """vLLM's default: bfloat16 where the CPU computes it natively, else float32."""
     llm = LLM(tiny_model_dir, kv_cache_memory_gb=0.05, dtype="auto")
-    assert llm.engine.args.dtype == "float32"
+    assert llm.engine.args.dtype == auto_dtype()
+    [output] = llm.generate(["Hello"], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 4
 
 
 def test_chat_takes_vllms_chat_template_fields(default_llm):
