@@ -5,7 +5,8 @@ For SmolLM2-135M's layer shapes (fused qkv, o, fused gate/up, down: one weight p
 layers, so the weights come from memory as in a real step; the LM head once) and a range of
 row counts: the time of all of them, per shape, by MKL, by the C++ kernel on float32 weights,
 by the C++ kernel on the GGUF blocks the default model ships (Q4_1 layers, a Q8_0 LM head),
-and by oneDNN on float32 weights reordered for it at load. This is how the row ranges in
+the same with 8-bit activations (`--int8-activations`, where the CPU has AVX-512 VNNI), and by
+oneDNN on float32 weights reordered for it at load. This is how the row ranges in
 chunkserve/ops/cpp_ops.py were chosen. Weights are random: only shapes matter here.
 
     .venv/bin/python benchmarks/small_batch_linear.py [--rows 1 8 16 32 64] [--repeats 5] [--cpu-isa avx2]
@@ -60,10 +61,11 @@ def main() -> None:
         block_type = Q8_0 if name == "lm_head" else Q4_1
         quantized = torch.from_numpy(gguf.quants.quantize(weights[name][0].numpy(), block_type))
         blocks[name] = [(quantized.clone(), int(block_type)) for _ in range(copies)]  # distinct memory, as 30 layers
-    print(f"{'rows':>5}{'MKL ms':>9}{'C++ ms':>9}{'blocks ms':>11}{'oneDNN ms':>11}{'C++/MKL':>9}{'blocks/MKL':>12}"
-          f"{'oneDNN/MKL':>12}   per shape, MKL / C++ / blocks / oneDNN ms")
+    int8 = ops.cpu_has_vnni() and ops.cpu_isa() == "avx512"
+    print(f"{'rows':>5}{'MKL ms':>9}{'C++ ms':>9}{'blocks ms':>11}{'int8 ms':>9}{'oneDNN ms':>11}{'C++/MKL':>9}"
+          f"{'blocks/MKL':>12}{'oneDNN/MKL':>12}   per shape, MKL / C++ / blocks / int8 / oneDNN ms")
     for rows in args.rows:
-        totals = [0.0, 0.0, 0.0, 0.0]
+        totals = [0.0] * 5
         per_shape = []
         for name, shape in SHAPES.items():
             x = torch.randn(rows, shape[1])
@@ -71,12 +73,14 @@ def main() -> None:
                 median_ms(lambda: [F.linear(x, w) for w in weights[name]], args.repeats),
                 median_ms(lambda: [ops.small_batch_linear(x, w, None) for w in weights[name]], args.repeats),
                 median_ms(lambda: [ops.block_quantized_linear(x, b, t, None) for b, t in blocks[name]], args.repeats),
+                median_ms(lambda: [ops.block_quantized_linear(x, b, t, None, True) for b, t in blocks[name]],
+                          args.repeats) if int8 else float("nan"),
                 median_ms(lambda: [onednn_linear(x, p, None) for p in packed[name]], args.repeats),
             ]
             totals = [total + t for total, t in zip(totals, times)]
             per_shape.append(f"{name} " + "/".join(f"{t:.1f}" for t in times))
-        mkl, cpp, quantized, onednn = totals
-        print(f"{rows:>5}{mkl:>9.1f}{cpp:>9.1f}{quantized:>11.1f}{onednn:>11.1f}{mkl / cpp:>8.2f}x"
+        mkl, cpp, quantized, int8_total, onednn = totals
+        print(f"{rows:>5}{mkl:>9.1f}{cpp:>9.1f}{quantized:>11.1f}{int8_total:>9.1f}{onednn:>11.1f}{mkl / cpp:>8.2f}x"
               f"{mkl / quantized:>11.2f}x{mkl / onednn:>11.2f}x   "
               + ", ".join(per_shape))
 

@@ -45,12 +45,12 @@ def load_each_model_once():
 
     loaded: dict[tuple, torch.nn.Module] = {}
 
-    def load_model(source, config, dtype, max_positions, parallel=None):
+    def load_model(source, config, dtype, max_positions, parallel=None, int8_activations=False):
         if parallel is not None and parallel.tp_size * parallel.pp_size > 1:  # a shard: not shared
-            return loader.load_model(source, config, dtype, max_positions, parallel)
-        key = (source.path, dtype)
+            return loader.load_model(source, config, dtype, max_positions, parallel, int8_activations)
+        key = (source.path, dtype, int8_activations)
         if key not in loaded:
-            loaded[key] = loader.load_model(source, config, dtype, max_positions)
+            loaded[key] = loader.load_model(source, config, dtype, max_positions, int8_activations=int8_activations)
         model = _sharing_weights(loaded[key])
         model.rotary = RotaryEmbedding(config, max_positions)
         return model

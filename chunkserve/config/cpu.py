@@ -11,6 +11,8 @@ import functools
 
 # /proc/cpuinfo flags of the instructions oneDNN computes bfloat16 products with, and their names
 BF16_FLAGS = {"avx512_bf16": "AVX512_BF16", "amx_bf16": "AMX"}
+# the integer dot products (of unsigned and signed bytes) `--int8-activations` computes with
+VNNI_FLAG = "avx512_vnni"
 
 
 @functools.cache
@@ -30,6 +32,11 @@ def native_bf16() -> bool:
     """True where the CPU has AVX512_BF16 or AMX: bfloat16 matrix products there run at about
     twice float32's rate; elsewhere torch emulates them, far slower than float32."""
     return bool(cpu_flags() & BF16_FLAGS.keys())
+
+
+def native_int8_dot() -> bool:
+    """True where the CPU has AVX-512 VNNI, which `--int8-activations`' kernel needs."""
+    return VNNI_FLAG in cpu_flags()
 
 
 def auto_dtype() -> str:

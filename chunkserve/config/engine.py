@@ -85,6 +85,12 @@ class EngineArgs:
         "(docs/PRECISION.md); needs a CPU with AVX512_BF16 or AMX (refused elsewhere: use float32); auto: bfloat16 "
         "where the CPU has it, else float32 (vLLM's rule); float means float32", choices=DTYPE_CHOICES
     )
+    int8_activations: bool = arg(
+        False, "GGUF Q4_0/Q4_1/Q8_0 weights: quantize the activations they multiply to 8 bits per block of 32 "
+        "(llama.cpp's numerics) and multiply with integer dot products, in the steps the block kernel serves (decode "
+        "and other steps of a few rows) and the LM head: faster decode under an accuracy contract (docs/PRECISION.md); "
+        "needs a CPU with AVX512_VNNI and a GGUF model with such weights (refused otherwise)"
+    )
     max_model_len: int | None = arg(
         None, "longest prompt + output in tokens, e.g. 4096, 32k (32,000) or 32K (32,768) (default: the model's "
               "limit, capped by the KV pool)", aliases=("--context-length",), type=human_readable_int

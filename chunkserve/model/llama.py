@@ -158,7 +158,7 @@ class DecoderLayer(nn.Module, UsesOps):
                 hidden, residual, *rotary, *kv_cache, meta.slot_mapping, group.block_tables, group.context_lens,
                 meta.block_size, *self.fused_weights, attention.qkv_proj.bias, self.input_layernorm.weight,
                 self.post_attention_layernorm.weight, self.input_layernorm.eps, attention.num_heads, attention.num_kv_heads,
-                attention.scale)
+                attention.scale, self.ops.int8_activations)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -192,6 +192,9 @@ class LlamaModel(nn.Module, UsesOps):
         # --dtype: the dtype of the KV cache and of the linear layers' packed weights and products
         # (bfloat16 mode); the parameters, the residual stream, norms, rotary and logits are float32
         self.compute_dtype = torch.float32
+        # --int8-activations: the GGUF block linears (and head) take activations quantized to 8 bits
+        self.int8_activations = False
+        self.head_packed: torch.Tensor | None = None  # the head's weight as `ModelOps.pack_logits_weight` made it
         self.requires_grad_(False)
 
     def set_ops(self, ops: ModelOps) -> None:
@@ -212,6 +215,9 @@ class LlamaModel(nn.Module, UsesOps):
                     module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
         for layer in self.layers:
             layer.fuse_for_decode()
+        self.head_packed = None
+        if self.parallel.is_last_stage and ops.pack_logits_weight is not None:
+            self.head_packed = ops.pack_logits_weight(self._head()[0])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -241,16 +247,24 @@ class LlamaModel(nn.Module, UsesOps):
         """[R, hidden] -> float32 logits [R, vocab] on the first TP rank, None on the others
         (each computes its vocabulary shard, the first gathers them); called on the last stage
         only, for rows that sample."""
-        if self.lm_head is None:
-            rows = self.vocab_rows
-            weight, blocks = self.embed_tokens.weight[rows.start : rows.stop], self.embedding_blocks
-        else:
-            weight, blocks = self.lm_head.weight, self.lm_head.blocks
-        shard = self.ops.logits(hidden, weight, None, blocks)
+        weight, blocks = self._head()
+        shard = self.ops.logits(hidden, weight, None, blocks, self.head_packed)
         if shard.shape[1] < self.vocab_shard_size:  # the last shard: zero columns, cut after the gather
             shard = F.pad(shard, (0, self.vocab_shard_size - shard.shape[1]))
         logits = self.parallel.gather_vocab(shard, self.config.vocab_size)
         return None if logits is None else logits.float()
+
+    def _head(self) -> tuple[torch.Tensor, BlockWeight | None]:
+        """The LM head's weight (this rank's vocabulary rows) and its GGUF blocks, if any."""
+        if self.lm_head is None:
+            rows = self.vocab_rows
+            return self.embed_tokens.weight[rows.start : rows.stop], self.embedding_blocks
+        return self.lm_head.weight, self.lm_head.blocks
+
+    def has_block_weights(self) -> bool:
+        """Whether any linear (or the tied head) reads GGUF blocks, the weights `int8_activations` is for."""
+        return self.embedding_blocks is not None or any(
+            isinstance(module, Linear) and module.blocks is not None for module in self.modules())
 
     def uses_weight(self, name: str) -> bool:
         """Whether this rank reads checkpoint tensor `name` (Hugging Face naming), so that the

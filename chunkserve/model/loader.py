@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from chunkserve.config.model import ModelSource
-from chunkserve.errors import ModelLoadError
+from chunkserve.errors import InvalidRequestError, ModelLoadError
 from chunkserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.parallel import ParallelContext
-from chunkserve.ops.cpu_features import require_native_bf16
+from chunkserve.ops.cpu_features import require_int8_dot, require_native_bf16
 from chunkserve.ops.model_ops import BLOCK_TYPES, BlockWeight
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # EngineArgs.dtype -> torch
@@ -50,14 +50,17 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 
 def load_model(source: ModelSource, config: ModelConfig, dtype: str, max_positions: int,
-               parallel: ParallelContext | None = None) -> LlamaModel:
+               parallel: ParallelContext | None = None, int8_activations: bool = False) -> LlamaModel:
     """Build this rank's part of the model (all of it unless `parallel` splits it) with empty
     weights, then fill them from the checkpoint, reading only the tensors it uses. The weights
     are float32 in every mode: `dtype` bfloat16 is the KV cache's and the linear layers'
     (`LlamaModel.compute_dtype`), whose weights the ops pack in bfloat16 (`set_ops`); it is
-    refused on a CPU without native bfloat16."""
+    refused on a CPU without native bfloat16. `int8_activations` (`LlamaModel.int8_activations`)
+    is refused on a CPU without VNNI and for a model without GGUF block weights."""
     if dtype == "bfloat16":
         require_native_bf16()
+    if int8_activations:
+        require_int8_dot()
     with torch.device("meta"):
         model = LlamaModel(config, max_positions, parallel)
     model = model.to_empty(device="cpu")
@@ -68,6 +71,11 @@ def load_model(source: ModelSource, config: ModelConfig, dtype: str, max_positio
         weights, blocks = _read_gguf_weights(source.path, config, model.uses_weight)
     with torch.no_grad():
         model.load_hf_weights(weights, blocks)
+    if int8_activations and not model.has_block_weights():
+        raise InvalidRequestError(
+            f"--int8-activations applies to GGUF weights in Q4_0, Q4_1 or Q8_0 blocks; {source.path} has none "
+            "(a Hugging Face folder, or another GGUF type): leave the flag off", param="int8_activations")
+    model.int8_activations = int8_activations
     return model.eval()
 
 

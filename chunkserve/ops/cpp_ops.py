@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkserve.config.engine import OP_BACKENDS
+from chunkserve.errors import InvalidRequestError
 from chunkserve.ops.model_ops import BlockWeight, ModelOps, torch_ops
 
 logger = logging.getLogger(__name__)
@@ -51,8 +52,8 @@ logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_CSRC, name)
             for name in ("ops.cpp", "cpu_isa.cpp", "paged_attention.cpp", "prefill_attention.cpp",
-                         "small_batch_linear.cpp", "block_linear_avx512.cpp", "elementwise.cpp",
-                         "decoder_layer.cpp")]
+                         "small_batch_linear.cpp", "block_linear_avx512.cpp", "block_linear_vnni.cpp",
+                         "elementwise.cpp", "decoder_layer.cpp")]
 
 # Up to this many rows the C++ linear beats or equals MKL on the layer shapes of SmolLM2-135M
 # here (benchmarks/small_batch_linear.py: 1.25x at 64 rows, 1.2x at 128, 1.1x at 256, 1.05x
@@ -146,51 +147,70 @@ class CppOps:
     onednn_bf16_linear: Callable[..., torch.Tensor]
     pack_linear_weight: Callable[[torch.Tensor, torch.dtype], torch.Tensor | None]
     decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    cpu_has_vnni: Callable[[], bool]  # whether `block_quantized_linear` can take int8_activations here
     cpu_isa: Callable[[], str]  # the instruction set of the kernels that have several: avx512, avx2, portable
     set_cpu_isa: Callable[[str], str]  # another one this CPU has (tests, benchmarks); returns the last
 
     def attention_kernels(self) -> AttentionKernels:
         return AttentionKernels(decode=self.decode_attention, prefill=self.prefill_attention)
 
-    def model_ops(self, linear_dtype: torch.dtype = torch.float32) -> ModelOps:
+    def model_ops(self, linear_dtype: torch.dtype = torch.float32, int8_activations: bool = False) -> ModelOps:
         """The layer ops, with the linear layers' packed weights in `linear_dtype` (float32, or
-        bfloat16 for bfloat16 mode)."""
+        bfloat16 for bfloat16 mode), and the GGUF blocks' products with 8-bit activations where
+        `int8_activations`."""
         bf16 = linear_dtype == torch.bfloat16
-        return ModelOps(linear=self.bf16_linear if bf16 else self.linear, logits=self.logits, rms_norm=self.rms_norm,
+        linear, logits = (self.bf16_linear, self.bf16_logits) if bf16 else (self.linear, self.logits)
+        if int8_activations:
+            linear = functools.partial(linear, int8_activations=True)
+            logits = functools.partial(logits, int8_activations=True)
+        return ModelOps(linear=linear, logits=logits, rms_norm=self.rms_norm, int8_activations=int8_activations,
                         add_rms_norm=self.add_rms_norm, rotary=self.rotary_embedding, silu_and_mul=self.silu_and_mul,
                         pack_linear_weight=functools.partial(self.pack_linear_weight, dtype=linear_dtype),
                         packed_replaces_float=bf16, decoder_layer=self.decoder_layer,
+                        pack_logits_weight=functools.partial(self.pack_linear_weight, dtype=linear_dtype) if bf16 else None,
                         # from there `linear` takes oneDNN
                         decoder_layer_max_rows=(BF16_ONEDNN_MIN_ROWS if bf16 else ONEDNN_MIN_ROWS) - 1)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               blocks: BlockWeight | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+               blocks: BlockWeight | None = None, packed: torch.Tensor | None = None, *,
+               int8_activations: bool = False) -> torch.Tensor:
         """F.linear: by oneDNN on the `packed` weight for a float32 batch of ONEDNN_MIN_ROWS rows
         or more, else by the C++ kernel for one of at most SMALL_BATCH_MAX_ROWS rows (from
         `blocks` where the weight has them), else by MKL."""
         if packed is not None and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS and x.dtype == torch.float32:
             return self.onednn_linear(x, packed, bias)
-        return self._linear_up_to(SMALL_BATCH_MAX_ROWS, x, weight, bias, blocks)
+        return self._linear_up_to(SMALL_BATCH_MAX_ROWS, x, weight, bias, blocks, int8_activations)
 
     def bf16_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    blocks: BlockWeight | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+                    blocks: BlockWeight | None = None, packed: torch.Tensor | None = None, *,
+                    int8_activations: bool = False) -> torch.Tensor:
         """F.linear in bfloat16 mode: by oneDNN on the bfloat16 `packed` weight for a batch of
         BF16_ONEDNN_MIN_ROWS rows or more, or of any size where the layer has no `blocks` (its
         float32 weight was dropped); else as `linear` (the C++ kernel on the blocks, float32)."""
         if packed is not None and x.dim() == 2 and (blocks is None or x.shape[0] >= BF16_ONEDNN_MIN_ROWS):
             return self.onednn_bf16_linear(x, packed, bias)
-        return self._linear_up_to(SMALL_BATCH_MAX_ROWS, x, weight, bias, blocks)
+        return self._linear_up_to(SMALL_BATCH_MAX_ROWS, x, weight, bias, blocks, int8_activations)
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               blocks: BlockWeight | None = None) -> torch.Tensor:
+               blocks: BlockWeight | None = None, packed: torch.Tensor | None = None, *,
+               int8_activations: bool = False) -> torch.Tensor:
         """The LM head's F.linear, by the C++ kernel up to LOGITS_MAX_ROWS rows."""
-        return self._linear_up_to(LOGITS_MAX_ROWS, x, weight, bias, blocks)
+        return self._linear_up_to(LOGITS_MAX_ROWS, x, weight, bias, blocks, int8_activations)
+
+    def bf16_logits(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    blocks: BlockWeight | None = None, packed: torch.Tensor | None = None, *,
+                    int8_activations: bool = False) -> torch.Tensor:
+        """The LM head in bfloat16 mode: as the linear layers, by oneDNN's bfloat16 linear on the
+        head's bfloat16 `packed` weight from BF16_ONEDNN_MIN_ROWS rows, else as `logits`."""
+        if packed is not None and x.dim() == 2 and x.shape[0] >= BF16_ONEDNN_MIN_ROWS:
+            return self.onednn_bf16_linear(x, packed, bias)
+        return self.logits(x, weight, bias, blocks, int8_activations=int8_activations)
 
     def _linear_up_to(self, max_rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      blocks: BlockWeight | None) -> torch.Tensor:
+                      blocks: BlockWeight | None, int8_activations: bool = False) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= max_rows and x.dtype == torch.float32:
             if blocks is not None:
-                return self.block_quantized_linear(x, blocks.blocks, blocks.ggml_type, bias)
+                return self.block_quantized_linear(x, blocks.blocks, blocks.ggml_type, bias, int8_activations)
             return self.small_batch_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
@@ -230,14 +250,22 @@ def build_cpp_ops() -> CppOps:
                   rms_norm=module.rms_norm, add_rms_norm=module.add_rms_norm,
                   rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul,
                   onednn_linear=onednn_linear, onednn_bf16_linear=onednn_bf16_linear,
-                  pack_linear_weight=pack_for_onednn, decoder_layer=module.decoder_layer, cpu_isa=module.cpu_isa,
+                  pack_linear_weight=pack_for_onednn, decoder_layer=module.decoder_layer,
+                  cpu_has_vnni=module.cpu_has_vnni, cpu_isa=module.cpu_isa,
                   set_cpu_isa=module.set_cpu_isa)
 
 
-def model_ops_for(cpp_ops: CppOps | None, linear_dtype: torch.dtype) -> ModelOps:
+def model_ops_for(cpp_ops: CppOps | None, linear_dtype: torch.dtype, int8_activations: bool = False) -> ModelOps:
     """The layer ops a model computes with: the C++ ones, or plain torch where `cpp_ops` is None,
-    for float32 or bfloat16 linear layers (`LlamaModel.linear_dtype`)."""
-    return torch_ops(linear_dtype) if cpp_ops is None else cpp_ops.model_ops(linear_dtype)
+    for float32 or bfloat16 linear layers (`LlamaModel.compute_dtype`), with 8-bit activations
+    for the GGUF blocks where `int8_activations` (C++ only)."""
+    if cpp_ops is None:
+        if int8_activations:
+            raise InvalidRequestError("--int8-activations runs in the C++ ops, which are off here (--op-backend torch, "
+                                      "or they could not be built): leave the flag off or use --op-backend cpp",
+                                      param="int8_activations")
+        return torch_ops(linear_dtype)
+    return cpp_ops.model_ops(linear_dtype, int8_activations)
 
 
 def cpp_ops_for(backend: str) -> CppOps | None:

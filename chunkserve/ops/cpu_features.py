@@ -1,4 +1,5 @@
-"""The refusal of bfloat16 mode on a CPU that does not compute in bfloat16 natively.
+"""The refusals of modes on a CPU that lacks their instructions: bfloat16 mode without native
+bfloat16, 8-bit activations without VNNI.
 
 With AVX512_BF16 (dot products of bfloat16 pairs) or AMX (bfloat16 tiles), oneDNN's bfloat16
 matrix products run at about twice float32's rate (docs/benchmarks-log.md); without either,
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from chunkserve.config.cpu import BF16_FLAGS, native_bf16
+from chunkserve.config.cpu import BF16_FLAGS, VNNI_FLAG, native_bf16, native_int8_dot
 from chunkserve.errors import InvalidRequestError
 
 
@@ -22,3 +23,12 @@ def require_native_bf16() -> None:
         f"--dtype bfloat16 needs a CPU with native bfloat16 arithmetic ({' or '.join(BF16_FLAGS.values())}); "
         f"this one has neither (torch's CPU capability: {torch.backends.cpu.get_cpu_capability()}), so bfloat16 "
         "matrix products would run about 100x slower than float32 here: use --dtype float32", param="dtype")
+
+
+def require_int8_dot() -> None:
+    """Raise, naming what the CPU lacks, unless it has the VNNI dot products `--int8-activations` uses."""
+    if native_int8_dot():
+        return
+    raise InvalidRequestError(
+        f"--int8-activations needs a CPU with AVX-512 VNNI ({VNNI_FLAG}); this one has none: leave the flag off "
+        "(the GGUF blocks are then multiplied in float32)", param="int8_activations")

@@ -55,7 +55,8 @@ class ModelOps:
     # (x, weight, bias, blocks, packed) -> F.linear(x, weight, bias); `blocks` the same weight as GGUF
     # blocks, or None; `packed` the same weight as `pack_linear_weight` made it, or None
     linear: Callable[[Tensor, Tensor, Tensor | None, BlockWeight | None, Tensor | None], Tensor]
-    logits: Callable[[Tensor, Tensor, Tensor | None, BlockWeight | None], Tensor]  # the LM head's (vocab-sized)
+    # the LM head's (vocab-sized), with the `linear` arguments; `packed` is what `pack_logits_weight` made, or None
+    logits: Callable[[Tensor, Tensor, Tensor | None, BlockWeight | None, Tensor | None], Tensor]
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # (x, weight, eps), over the last dim
     # (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual); may update residual in place
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
@@ -68,6 +69,12 @@ class ModelOps:
     # arguments of csrc/ops.h `decoder_layer`; the same result as the layer's modules through the other ops
     decoder_layer: Callable[..., tuple[Tensor, Tensor]] | None = None
     decoder_layer_max_rows: int = 0
+    # the LM head's weight [vocab, hidden] -> the layout `logits` reads for larger batches; None: the head reads its
+    # float32 weight or blocks only
+    pack_logits_weight: Callable[[Tensor], Tensor | None] | None = None
+    # `--int8-activations`: `linear` and `logits` quantize the activations they multiply with GGUF blocks to 8
+    # bits; `decoder_layer` takes this as its last argument
+    int8_activations: bool = False
     # True: `linear` reads a layer's packed weight for every row count, never its float weight
     # (False: only where the layer also has blocks, which serve the rows the packed weight does not)
     packed_replaces_float: bool = False

@@ -66,7 +66,7 @@ class ModelRunner:
         self.drafter = drafter
         self.cpp_ops = cpp_ops_for(op_backend)
         self.attention_kernels = None if self.cpp_ops is None else self.cpp_ops.attention_kernels()
-        model.set_ops(model_ops_for(self.cpp_ops, model.compute_dtype))
+        model.set_ops(model_ops_for(self.cpp_ops, model.compute_dtype, model.int8_activations))
         if drafter is not None:
             drafter.bind(num_blocks, block_size, self.cpp_ops, self.attention_kernels)
 

@@ -95,7 +95,8 @@ class Worker:
         return num_blocks_for_memory(per_token, config.kv_cache_bytes, config.block_size)
 
     def load_model(self, max_model_len: int) -> None:
-        self.model = load_model(self.source, self.model_config, self.config.dtype, max_model_len, self.parallel)
+        self.model = load_model(self.source, self.model_config, self.config.dtype, max_model_len, self.parallel,
+                                self.config.int8_activations)
         if self.draft_config is not None:
             if self.draft_config.max_position_embeddings < max_model_len:
                 raise InvalidRequestError(f"the draft model's limit ({self.draft_config.max_position_embeddings} "

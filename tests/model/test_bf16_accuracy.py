@@ -20,7 +20,13 @@ from chunkserve import LLM, SamplingParams
 from chunkserve.config.model import resolve_model
 from chunkserve.model.loader import load_model, load_model_config
 from chunkserve.config.cpu import native_bf16
-from tests.model.bf16_support import ACCURACY_PROMPTS, first_divergence, kl_per_token, teacher_forced_logits
+from tests.model.accuracy_support import (
+    ACCURACY_PROMPTS,
+    first_divergence,
+    hf_greedy,
+    kl_per_token,
+    teacher_forced_logits,
+)
 
 NEW_TOKENS = 64
 MIN_AGREEMENT = 0.97  # teacher-forced greedy agreement
@@ -31,31 +37,10 @@ MAX_TINY_MEAN_KL = 2e-3
 pytestmark = pytest.mark.skipif(not native_bf16(), reason="bfloat16 mode needs AVX512_BF16 or AMX")
 
 
-def hf_greedy(hf_model, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
-    """transformers' NEW_TOKENS greedy tokens of each prompt (EOS does not stop it, as
-    ignore_eos) and the float32 logits that chose each: the prompts batched, left-padded."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    tokens, logits = [], []
-    with torch.inference_mode():
-        out = hf_model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        for _ in range(NEW_TOKENS):
-            logits.append(out.logits[:, -1].float())
-            tokens.append(logits[-1].argmax(-1))
-            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=-1)
-            positions = positions[:, -1:] + 1
-            out = hf_model(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=positions,
-                           past_key_values=out.past_key_values, use_cache=True)
-    tokens, logits = torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
-    return [(tokens[i].tolist(), logits[i]) for i in range(len(prompts))]
-
-
 @pytest.mark.slow
 def test_bf16_mode_meets_the_accuracy_contract_on_smollm2(hf_default_model, default_tokenizer, cpp_ops):
     prompts = [default_tokenizer.encode(text) for text in ACCURACY_PROMPTS]
-    reference = hf_greedy(hf_default_model, prompts)
+    reference = hf_greedy(hf_default_model, prompts, NEW_TOKENS)
 
     # free-running greedy, the 32 requests batched as a server would (decode steps of 32 rows)
     llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.25, max_num_seqs=32, enable_prefix_caching=False)

@@ -112,9 +112,9 @@ def test_linears_hand_only_small_float32_batches_to_the_kernel(cpp_ops):
 def test_a_weight_with_blocks_is_read_from_them_up_to_the_same_row_limits(cpp_ops):
     block_rows_seen = []
 
-    def recording_kernel(x, blocks, ggml_type, bias):
+    def recording_kernel(x, blocks, ggml_type, bias, int8_activations):
         block_rows_seen.append(x.shape[0])
-        return cpp_ops.block_quantized_linear(x, blocks, ggml_type, bias)
+        return cpp_ops.block_quantized_linear(x, blocks, ggml_type, bias, int8_activations)
 
     ops = dataclasses.replace(cpp_ops, block_quantized_linear=recording_kernel,
                               small_batch_linear=lambda *args: pytest.fail("the float kernel ran"))

@@ -21,3 +21,10 @@ inline int64_t block_bytes(int64_t type) {
 // expanded in registers; only where the CPU has AVX-512 (active_cpu_isa).
 void block_linear_avx512(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t type, float* y,
                          int64_t N);
+
+// The same with 8-bit activations (llama.cpp's numerics: x quantized per block of 32 as Q8_0)
+// and AVX-512 VNNI integer dot products (block_linear_vnni.cpp); only where `cpu_has_vnni()`
+// and for K a multiple of 64.
+void block_linear_vnni(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t type, float* y,
+                       int64_t N);
+bool cpu_has_vnni();

@@ -12,9 +12,10 @@ namespace {
 
 // F.linear through the kernel the Python path picks for a decode-sized batch: the GGUF blocks
 // where the weight has them (type >= 0), else the float32 weight (type < 0).
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t type,
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t type, bool int8_activations,
                      const c10::optional<torch::Tensor>& bias = c10::nullopt) {
-  return type >= 0 ? block_quantized_linear(x, weight, type, bias) : small_batch_linear(x, weight, bias);
+  return type >= 0 ? block_quantized_linear(x, weight, type, bias, int8_activations)
+                   : small_batch_linear(x, weight, bias);
 }
 
 }  // namespace
@@ -24,7 +25,7 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
     torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
     c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
-    int64_t num_heads, int64_t num_kv_heads, double scale) {
+    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations) {
   TORCH_CHECK(weights.size() == 4 && types.size() == 4,
               "decoder_layer: four linears (qkv, o, gate_up, down), each a weight and its ggml type (-1: float32)");
   const int64_t rows = hidden.size(0), head_dim = k_cache.size(2);
@@ -36,7 +37,7 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
     normed = rms_norm(hidden, input_norm, eps);
   }
   const torch::Tensor stream = hidden;
-  const torch::Tensor qkv = linear(normed, weights[0], types[0], qkv_bias);
+  const torch::Tensor qkv = linear(normed, weights[0], types[0], int8_activations, qkv_bias);
   torch::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim});
   torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads, head_dim});
   const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
@@ -45,8 +46,9 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
   v_cache.index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
   const torch::Tensor attended =
       paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale);
-  const torch::Tensor attention_out = linear(attended.view({rows, q_size}), weights[1], types[1]);
+  const torch::Tensor attention_out = linear(attended.view({rows, q_size}), weights[1], types[1], int8_activations);
   auto [mlp_in, new_stream] = add_rms_norm(attention_out, stream, post_attention_norm, eps);
-  const torch::Tensor mlp_out = linear(silu_and_mul(linear(mlp_in, weights[2], types[2])), weights[3], types[3]);
+  const torch::Tensor mlp_out = linear(silu_and_mul(linear(mlp_in, weights[2], types[2], int8_activations)), weights[3], types[3],
+                                           int8_activations);
   return {mlp_out, new_stream};
 }

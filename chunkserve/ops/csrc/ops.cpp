@@ -12,12 +12,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of a prefill chunk over the paged KV cache, in place", release_gil());
   m.def("small_batch_linear", &small_batch_linear, "x @ weight^T (+ bias) for a few rows of x", release_gil());
   m.def("block_quantized_linear", &block_quantized_linear, "x @ weight^T (+ bias), the weight as GGUF blocks",
-        release_gil());
+        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("ggml_type"), pybind11::arg("bias"),
+        pybind11::arg("int8_activations") = false, release_gil());
   m.def("rms_norm", &rms_norm, "RMS norm over the last dim", release_gil());
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMS norm of the residual", release_gil());
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k, in place", release_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half", release_gil());
   m.def("decoder_layer", &decoder_layer, "a decoder layer of a pure decode step in one call", release_gil());
+  m.def("cpu_has_vnni", &cpu_has_vnni, "whether block_quantized_linear can take int8_activations here");
   m.def("cpu_isa", &cpu_isa, "the instruction set the kernels run with: avx512, avx2 or portable");
   m.def("set_cpu_isa", &set_cpu_isa, "run the kernels with another instruction set this CPU has; returns the last");
 }

@@ -21,9 +21,12 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 
 // The same with the weight as GGUF blocks: blocks [N, K / 32 * block bytes] (uint8) of ggml type
-// Q4_0 (2), Q4_1 (3) or Q8_0 (8); the result equals x @ dequantize(blocks)^T + bias.
+// Q4_0 (2), Q4_1 (3) or Q8_0 (8); the result equals x @ dequantize(blocks)^T + bias. With
+// int8_activations, x is quantized to 8 bits per block of 32 first, as llama.cpp does, and the
+// products are integer (AVX-512 VNNI; raises where the CPU has none): the result is then within
+// the int8 mode's contract (docs/PRECISION.md) of that, not equal to it.
 torch::Tensor block_quantized_linear(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
-                                     c10::optional<torch::Tensor> bias);
+                                     c10::optional<torch::Tensor> bias, bool int8_activations);
 
 // Over the last dim: x * rsqrt(mean(x^2) + eps) * weight. float32.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -43,11 +46,15 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 // the ops above, in the order and with the kernels of the Python path (model/llama.py
 // DecoderLayer): hidden [B, hidden_size] is the last sublayer's output and residual the stream
 // before it (None at the first layer: hidden is then the embeddings). weights: qkv, o, gate_up,
-// down, each GGUF blocks (types[i] its ggml type) or a float32 [out, in] weight (types[i] -1).
+// down, each GGUF blocks (types[i] its ggml type) or a float32 [out, in] weight (types[i] -1);
+// int8_activations as block_quantized_linear's, for the blocks.
 // Writes this step's K/V at slot_mapping and returns (the MLP's output, the stream before it).
 std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
     torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
     c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
-    int64_t num_heads, int64_t num_kv_heads, double scale);
+    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
+
+// Whether this CPU runs block_quantized_linear's int8_activations (AVX-512 with VNNI).
+bool cpu_has_vnni();

@@ -215,7 +215,7 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, c10::opt
 }
 
 torch::Tensor block_quantized_linear(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
-                                     c10::optional<torch::Tensor> bias) {
+                                     c10::optional<torch::Tensor> bias, bool int8_activations) {
   const int64_t bytes = block_bytes(ggml_type);
   TORCH_CHECK(bytes > 0, "block_quantized_linear: ggml type ", ggml_type, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous() &&
@@ -227,6 +227,14 @@ torch::Tensor block_quantized_linear(torch::Tensor x, torch::Tensor blocks, int6
   const uint8_t* data = blocks.data_ptr<uint8_t>();
   const float* x_data = x.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
+  if (int8_activations && K % 64 == 0) {  // else (an odd number of blocks) float32 activations
+    TORCH_CHECK(active_cpu_isa() == CpuIsa::kAvx512 && cpu_has_vnni(),
+                "block_quantized_linear: 8-bit activations need AVX-512 with VNNI (avx512_vnni), which this CPU "
+                "(or the instruction set set_cpu_isa chose) does not offer");
+    block_linear_vnni(x_data, x.size(0), K, data, ggml_type, y_data, N);
+    if (bias.has_value()) y.add_(*bias);
+    return y;
+  }
   if (active_cpu_isa() == CpuIsa::kAvx512) {
     block_linear_avx512(x_data, x.size(0), K, data, ggml_type, y_data, N);
     if (bias.has_value()) y.add_(*bias);
