@@ -17,6 +17,10 @@
 namespace {
 
 constexpr int kRowTile = 4;
+// Weight rows ahead that each tile prefetches, position for position: a decode step streams
+// every weight from memory once, and the hardware prefetcher alone reaches about a third of the
+// streaming read rate there (docs/benchmarks-log.md, "Prefetching the weights").
+constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kSliceBytes = 32 * 1024;
 
 // Features per tile, by rows: a tile keeps R x F accumulators, 2 F weight registers and the
@@ -72,7 +76,11 @@ CHUNKSERVE_AVX512_TARGET void tile(const float* x, int64_t K, const uint8_t* w, 
   for (int64_t b = 0; b < blocks; ++b) {
     __m512 low[F], high[F];
 #pragma GCC unroll 8
-    for (int f = 0; f < F; ++f) expand<Type>(w + f * row_bytes + b * kBytes, low[f], high[f]);
+    for (int f = 0; f < F; ++f) {
+      const uint8_t* block = w + f * row_bytes + b * kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchRows * row_bytes), _MM_HINT_T0);
+      expand<Type>(block, low[f], high[f]);
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512 x_low = _mm512_loadu_ps(x + r * K + b * kBlockWeights);

@@ -35,6 +35,8 @@
 namespace {
 
 constexpr int kRowTile = 4;
+// Weight rows ahead that each tile prefetches, position for position, as block_linear_avx512.cpp.
+constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kSliceBytes = 32 * 1024;
 constexpr int64_t kPairWeights = 2 * kBlockWeights;
 
@@ -140,6 +142,7 @@ CHUNKSERVE_VNNI_TARGET void tile(const PairActivations* x, int64_t pairs, const 
 #pragma GCC unroll 8
     for (int f = 0; f < F; ++f) {
       const uint8_t* a = w + f * row_bytes + 2 * p * kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(a + kPrefetchRows * row_bytes), _MM_HINT_T0);
       unpack<Type>(a, a + kBytes, q[f], d[f], m[f]);
     }
 #pragma GCC unroll 4
