@@ -22,7 +22,7 @@ running anything, e.g. to judge the same probes against another SLO (`--slo-tbt-
 
 The config file (YAML):
 
-    out_dir: bench-results/sweep           # results, traces, summary.md, summary.json
+    out_dir: bench-results/sweep           # results, traces, summary.md, summary.json, machine.json
     port: 8100
     server_args: [--kv-cache-memory-gb, "1"]   # added to every chunkserve configuration
     configs:
@@ -59,6 +59,7 @@ from typing import Any
 import httpx
 
 from chunkserve.bench import serve as bench_serve
+from chunkserve.bench.host import machine
 
 HEALTH_POLL_S = 0.5
 CAPACITY_SEED = 1000
@@ -120,6 +121,9 @@ def main(args: argparse.Namespace) -> None:
         sweep.capacity = {**sweep.capacity, "slo_tbt_ms": args.slo_tbt_ms}
     configs = [c for c in sweep.configs if not args.only or c.label in args.only]
     os.makedirs(sweep.out_dir, exist_ok=True)
+    if not args.summarize_only:  # every number names its CPU: the host of the run, kept beside its results
+        with open(os.path.join(sweep.out_dir, "machine.json"), "w") as f:
+            json.dump({**machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, f, indent=2)
     errors = {} if args.summarize_only else {c.label: run_config_or_report(sweep, c) for c in configs}
     rows = [summary_row(sweep, c, errors.get(c.label)) for c in configs]
     tables = summary_table(rows) + "\n\nPer workload:\n\n" + workload_table(rows)

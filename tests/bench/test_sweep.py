@@ -153,6 +153,8 @@ def test_a_real_sweep_of_one_configuration(tmp_path):
     steps = [json.loads(line) for line in (out_dir / "chunked-64.steps.jsonl").read_text().splitlines()]
     assert sum(s["num_decode_tokens"] for s in steps) == 4 * 5  # the trace saw every decode step
     assert "server stopped" in (out_dir / "chunked-64.server.log").read_text()  # stopped by SIGTERM, cleanly
+    machine = json.loads((out_dir / "machine.json").read_text())  # the CPU every number of the run is from
+    assert machine["cpu"] and machine["cpus"] == str(os.cpu_count()) and machine["date"]
     first_table = (out_dir / "summary.md").read_text()
     sweep.main(parser.parse_args(["--config", str(config_file), "--summarize-only"]))  # nothing runs
     table = (out_dir / "summary.md").read_text()
