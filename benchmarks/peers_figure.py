@@ -94,8 +94,10 @@ def figure(systems: dict[str, list[list[float]]], machine: dict, path: str) -> N
             ax.text(value + above, y, f" {number(value)}", va="center", fontsize=7)
     axes[0].set_yticks(range(len(names)), names, fontsize=8)
     axes[0].invert_yaxis()
-    fig.suptitle(f"SmolLM2-135M-Instruct, every server at its default flags; {machine.get('cpu', '?')}, "
-                 f"{machine.get('cpus', '?')} CPUs ({machine.get('avx512_flags') or 'no AVX-512'}); "
+    flags = set(machine.get("avx512_flags", "").split()) & {"avx512f", "avx512_bf16", "avx512_vnni"}
+    fig.suptitle(f"SmolLM2-135M-Instruct, every server at its default flags; {machine.get('cpu', '?')} "
+                 f"(family {machine.get('cpu_family', '?')} model {machine.get('cpu_model', '?')}), "
+                 f"{machine.get('cpus', '?')} CPUs, {' '.join(sorted(flags)) or 'no AVX-512'}; "
                  f"{machine.get('date', '?')}, chunkserve {machine.get('commit', '?')}; "
                  "median of the rounds, whiskers the range", fontsize=8)
     fig.tight_layout()

@@ -10,7 +10,10 @@
   `block_quantized_linear` is the same reading a GGUF model's Q4_0/Q4_1/Q8_0 blocks instead
   of their float32 dequantization (3.8-7x fewer bytes per step, the same result); where the
   CPU has AVX-512 it expands the blocks in registers (csrc/block_linear_avx512.cpp), chosen at
-  run time (`cpu_isa`), the AVX2 path kept for the CPUs without.
+  run time (`cpu_isa`), the AVX2 path kept for the CPUs without. With `--int8-activations`
+  (`model_ops(int8_activations=True)`) it quantizes x to 8 bits per block of 32 first and
+  multiplies with AVX-512 VNNI's integer dot products (csrc/block_linear_vnni.cpp), llama.cpp's
+  numerics, under their own accuracy contract (docs/PRECISION.md).
 - `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
   layer's small ops, one call each instead of a chain of torch calls.
 - `decoder_layer` (csrc/decoder_layer.cpp): the ops above for a whole layer of a pure decode
