@@ -61,7 +61,7 @@ def _cpu_flags() -> set[str]:
 
 
 @pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, SMALL_BATCH_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16, SMALL_BATCH_MAX_ROWS])
 @pytest.mark.parametrize("features, depth", [(960, 576), (13, 1536), (3, 32)])
 def test_block_quantized_linear_equals_f_linear_on_the_dequantized_weight(cpp_ops, cpu_isa, type_name, rows,
                                                                            features, depth):

@@ -16,7 +16,7 @@
 
 namespace {
 
-constexpr int kRowTile = 4;
+constexpr int kRowTile = 8;
 // Weight rows ahead that each tile prefetches, position for position: a decode step streams
 // every weight from memory once, and the hardware prefetcher alone reaches about a third of the
 // streaming read rate there (docs/benchmarks-log.md, "Prefetching the weights").
@@ -24,9 +24,11 @@ constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kSliceBytes = 32 * 1024;
 
 // Features per tile, by rows: a tile keeps R x F accumulators, 2 F weight registers and the
-// row's two halves, under the 32 registers; at one row more features keep more FMA chains going.
+// row's two halves, under the 32 registers; at one row more features keep more FMA chains going,
+// from 5 rows two features let up to 8 rows share each expanded block (a tile of 4 rows expanded
+// every block twice for an 8-row decode: 0.88-0.89x the time at 8, 16 and 31 rows).
 template <int R>
-constexpr int kFeatureTile = R == 1 ? 8 : 4;
+constexpr int kFeatureTile = R == 1 ? 8 : (R <= 4 ? 4 : 2);
 
 // The 32 weights of `block`, weights 0-15 in `low` and 16-31 in `high`.
 template <int64_t Type>
@@ -81,7 +83,7 @@ CHUNKSERVE_AVX512_TARGET void tile(const float* x, int64_t K, const uint8_t* w, 
       _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchRows * row_bytes), _MM_HINT_T0);
       expand<Type>(block, low[f], high[f]);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 x_low = _mm512_loadu_ps(x + r * K + b * kBlockWeights);
       const __m512 x_high = _mm512_loadu_ps(x + r * K + b * kBlockWeights + 16);
@@ -119,7 +121,11 @@ CHUNKSERVE_AVX512_TARGET void feature_range(const float* x, int64_t M, int64_t K
         case 1: features<Type, 1>(rows, K, w, row_bytes, out, N, s, count); break;
         case 2: features<Type, 2>(rows, K, w, row_bytes, out, N, s, count); break;
         case 3: features<Type, 3>(rows, K, w, row_bytes, out, N, s, count); break;
-        default: features<Type, 4>(rows, K, w, row_bytes, out, N, s, count); break;
+        case 4: features<Type, 4>(rows, K, w, row_bytes, out, N, s, count); break;
+        case 5: features<Type, 5>(rows, K, w, row_bytes, out, N, s, count); break;
+        case 6: features<Type, 6>(rows, K, w, row_bytes, out, N, s, count); break;
+        case 7: features<Type, 7>(rows, K, w, row_bytes, out, N, s, count); break;
+        default: features<Type, 8>(rows, K, w, row_bytes, out, N, s, count); break;
       }
     }
   }
