@@ -21,7 +21,7 @@ import statistics
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 # (title, how to read it from a summary row, unit, whether higher is better)
 METRICS = [
@@ -113,7 +113,10 @@ def main() -> None:
     with open(os.path.join(args.out_dir, "summary.json")) as f:
         rows = json.load(f)
     machine_path = os.path.join(args.out_dir, "machine.json")
-    machine = json.load(open(machine_path)) if os.path.exists(machine_path) else {}
+    machine = {}
+    if os.path.exists(machine_path):
+        with open(machine_path) as f:
+            machine = json.load(f)
     systems = by_system(rows)
     print(table(systems, args.reference))
     figure(systems, machine, args.output)

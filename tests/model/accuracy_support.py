@@ -50,6 +50,26 @@ def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
 
 
+def vllm_rule_check(prompts: list[list[int]], reference: list[tuple[list[int], torch.Tensor]],
+                    outputs) -> tuple[int, list[tuple[list[int], int]]]:
+    """vLLM's rule (`check_logprobs_close`) on our greedy `outputs` (with logprobs=5) against
+    transformers' `reference` (hf_greedy): where the two first differ, each side's token must be
+    among the other's top-5. Returns how many outputs differ and the (prompt, position) of each
+    that breaks the rule."""
+    broken, diverged = [], 0
+    for prompt, (hf_tokens, hf_logits), output in zip(prompts, reference, outputs):
+        ours = output.outputs[0]
+        at = first_divergence(ours.token_ids, hf_tokens)
+        if at is None:
+            continue
+        diverged += 1
+        our_top5 = {token for token, entry in ours.logprobs[at].items() if entry.rank is not None and entry.rank <= 5}
+        hf_top5 = set(hf_logits[at].topk(5).indices.tolist())
+        if hf_tokens[at] not in our_top5 or ours.token_ids[at] not in hf_top5:
+            broken.append((prompt, at))
+    return diverged, broken
+
+
 def kl_per_token(reference: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:
     """KL(reference || ours) of each row's next-token distribution (logits [rows, vocab]), in nats."""
     log_p, log_q = reference.double().log_softmax(-1), ours.double().log_softmax(-1)

@@ -17,15 +17,15 @@ import pytest
 import torch
 
 from chunkserve import LLM, SamplingParams
+from chunkserve.config.cpu import native_bf16
 from chunkserve.config.model import resolve_model
 from chunkserve.model.loader import load_model, load_model_config
-from chunkserve.config.cpu import native_bf16
 from tests.model.accuracy_support import (
     ACCURACY_PROMPTS,
-    first_divergence,
     hf_greedy,
     kl_per_token,
     teacher_forced_logits,
+    vllm_rule_check,
 )
 
 NEW_TOKENS = 64
@@ -46,17 +46,8 @@ def test_bf16_mode_meets_the_accuracy_contract_on_smollm2(hf_default_model, defa
     llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.25, max_num_seqs=32, enable_prefix_caching=False)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5),
                            use_tqdm=False)
-    broken, diverged = [], 0
-    for prompt, (hf_tokens, hf_logits), output in zip(prompts, reference, outputs):
-        ours = output.outputs[0]
-        at = first_divergence(ours.token_ids, hf_tokens)
-        if at is None:
-            continue
-        diverged += 1
-        our_top5 = {token for token, entry in ours.logprobs[at].items() if entry.rank is not None and entry.rank <= 5}
-        hf_top5 = set(hf_logits[at].topk(5).indices.tolist())
-        if hf_tokens[at] not in our_top5 or ours.token_ids[at] not in hf_top5:
-            broken.append((default_tokenizer.decode(prompt), at))
+    diverged, broken = vllm_rule_check(prompts, reference, outputs)
+    broken = [(default_tokenizer.decode(prompt), at) for prompt, at in broken]
 
     # teacher-forced: our logits on transformers' sequences (prefill rows: bfloat16 linears throughout)
     source = resolve_model(None)

@@ -55,7 +55,7 @@ def test_int8_linear_is_the_product_of_the_quantized_activations(cpp_ops, type_n
 def test_an_odd_number_of_blocks_keeps_float32_activations(cpp_ops):
     """The kernel takes blocks in pairs; a depth of an odd number of blocks is served in float32."""
     x = torch.randn(3, 96)
-    blocks, weight = quantized(torch.randn(8, 96), "Q4_0")
+    blocks, _ = quantized(torch.randn(8, 96), "Q4_0")
     got = cpp_ops.block_quantized_linear(x, blocks.blocks, blocks.ggml_type, None, True)
     assert torch.equal(got, cpp_ops.block_quantized_linear(x, blocks.blocks, blocks.ggml_type, None, False))
 
