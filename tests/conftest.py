@@ -115,6 +115,19 @@ def cpp_ops():
     return build_cpp_ops()
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def cpu_isa(request, cpp_ops):
+    """Each instruction set the kernels with several variants can run with here: the AVX-512
+    kernels run only on a CPU that has them, the AVX2 path is kept for those that do not (and
+    checked here too, where the CPU has both)."""
+    try:
+        before = cpp_ops.set_cpu_isa(request.param)
+    except RuntimeError as error:
+        pytest.skip(f"not on this CPU: {error}")
+    yield request.param
+    cpp_ops.set_cpu_isa(before)
+
+
 @pytest.fixture(scope="session")
 def hf_default_model():
     """transformers' own load of the default GGUF: the oracle for our loader and engine."""

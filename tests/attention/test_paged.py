@@ -68,11 +68,13 @@ def test_in_place_decode_equals_the_torch_reference(cpp_ops, heads, kv_heads, he
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size",
                          [(9, 3, 64, 16), (4, 4, 32, 16), (8, 2, 128, 16), (6, 3, 40, 16), (8, 1, 64, 16),
                           (10, 2, 64, 80), (9, 3, 64, 1)])
-def test_in_place_prefill_chunks_equal_the_torch_reference(cpp_ops, heads, kv_heads, head_dim, block_size, kv_dtype):
+def test_in_place_prefill_chunks_equal_the_torch_reference(cpp_ops, cpu_isa, heads, kv_heads, head_dim, block_size,
+                                                           kv_dtype):
     """Chunks from the first position and after a history, shorter and longer than a key tile
-    (64) and a position tile (32), ending mid-block, beside decodes in one mixed step; GQA
-    groups of 1 to 8 (5: not a divisor of the op's 6-row micro-tiles), blocks smaller than,
-    and not dividing, a key tile."""
+    (64) and a position tile (128), ending mid-block, beside decodes in one mixed step; GQA
+    groups of 1 to 8 (5: not a divisor of the op's 6-row micro-tiles), head sizes with and
+    without a 64-column (AVX-512) or 32-column (AVX2) value tail, blocks smaller than, and not
+    dividing, a key tile; with each instruction set the CPU has."""
     q, k_cache, v_cache, scheduled, tokens = mixed_step(heads, kv_heads, head_dim, block_size)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     reference = paged_attention(q, k_cache, v_cache, build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size).attn, 0.125)

@@ -35,19 +35,6 @@ def test_small_batch_linear_equals_f_linear(cpp_ops, rows, features, depth):
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.fixture(params=["avx512", "avx2"])
-def cpu_isa(request, cpp_ops):
-    """Each instruction set the kernels with several variants can run with here: the AVX-512
-    kernels run only on a CPU that has them, the AVX2 path is kept for those that do not (and
-    checked here too, where the CPU has both)."""
-    try:
-        before = cpp_ops.set_cpu_isa(request.param)
-    except RuntimeError as error:
-        pytest.skip(f"not on this CPU: {error}")
-    yield request.param
-    cpp_ops.set_cpu_isa(before)
-
-
 def test_the_kernels_run_the_best_instruction_set_of_the_cpu(cpp_ops):
     has_avx512 = all(flag in _cpu_flags() for flag in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
     assert cpp_ops.cpu_isa() == ("avx512" if has_avx512 else "avx2" if "avx2" in _cpu_flags() else "portable")

@@ -14,16 +14,21 @@
 //
 // The arithmetic is two small matrix products per (micro-tile, key tile): scores = Q K^T with
 // the transposed keys broadcast against query scalars, and acc += P V with value rows
-// broadcast against probabilities, both held in registers (AVX2 + FMA; a portable loop
-// elsewhere). Units go to threads largest first (the causal last positions cost the most).
+// broadcast against probabilities, both held in registers: 512-bit registers where the CPU has
+// AVX-512 (active_cpu_isa: six rows by a whole 64-key tile, or by 64 value columns, in 24
+// accumulators), AVX2 + FMA otherwise, a portable loop elsewhere. Units go to threads largest
+// first (the causal last positions cost the most).
 //
 // The cache is float32 or bfloat16 (kv_element.h): a tile's keys, and for bfloat16 its values,
 // are widened to float32 as they are copied into the tile's buffers, so the products above run
 // on float32 alone.
 #include "ops.h"
+#include "cpu_isa.h"
 #include "kv_element.h"
 
 #include <ATen/Parallel.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -34,7 +39,9 @@
 namespace {
 
 constexpr int64_t kKeyTile = 64;      // keys per tile (several blocks when block_size < 64)
-constexpr int64_t kPositionTile = 32;  // query positions per unit of work
+// Query positions per unit of work: every unit copies each key tile it reads once, so longer
+// units copy less per product, down to one unit per thread and kv head for a short chunk.
+constexpr int64_t kPositionTile = 128;
 constexpr int64_t kMicroRows = 6;     // query rows whose scores are computed together
 constexpr float kNegInf = -1e30f;  // finite: the build uses -ffast-math
 
@@ -53,8 +60,61 @@ struct Problem {
   }
 };
 
+// tile_scores for kMicroRows rows with AVX-512: the tile's 64 keys in four registers per
+// dimension, each row's query scalar broadcast against them.
+CHUNKSERVE_AVX512_TARGET void tile_scores_avx512(const float* const* queries, const float* keys_t, int64_t D,
+                                                 float* scores) {
+  static_assert(kKeyTile == 64, "four 16-float registers per key tile");
+  __m512 acc[kMicroRows][4];
+  for (int r = 0; r < kMicroRows; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const float* keys = keys_t + d * kKeyTile;
+    const __m512 k0 = _mm512_loadu_ps(keys), k1 = _mm512_loadu_ps(keys + 16);
+    const __m512 k2 = _mm512_loadu_ps(keys + 32), k3 = _mm512_loadu_ps(keys + 48);
+#pragma GCC unroll 6
+    for (int r = 0; r < kMicroRows; ++r) {
+      const __m512 query = _mm512_set1_ps(queries[r][d]);
+      acc[r][0] = _mm512_fmadd_ps(query, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(query, k1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(query, k2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(query, k3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < kMicroRows; ++r)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(scores + r * kKeyTile + 16 * v, acc[r][v]);
+}
+
+// tile_values for kMicroRows rows and D a multiple of 64, with AVX-512: 64 columns of each row's
+// sum in four registers, each value row loaded once for the six rows.
+CHUNKSERVE_AVX512_TARGET void tile_values_avx512(const float* probs, const float* const* values, int64_t keys,
+                                                 int64_t D, float* const* acc) {
+  for (int64_t c = 0; c < D; c += 64) {
+    __m512 sum[kMicroRows][4];
+    for (int r = 0; r < kMicroRows; ++r)
+      for (int v = 0; v < 4; ++v) sum[r][v] = _mm512_loadu_ps(acc[r] + c + 16 * v);
+    for (int64_t k = 0; k < keys; ++k) {
+      const float* value = values[k] + c;
+      const __m512 v0 = _mm512_loadu_ps(value), v1 = _mm512_loadu_ps(value + 16);
+      const __m512 v2 = _mm512_loadu_ps(value + 32), v3 = _mm512_loadu_ps(value + 48);
+#pragma GCC unroll 6
+      for (int r = 0; r < kMicroRows; ++r) {
+        const __m512 p = _mm512_set1_ps(probs[r * kKeyTile + k]);
+        sum[r][0] = _mm512_fmadd_ps(p, v0, sum[r][0]);
+        sum[r][1] = _mm512_fmadd_ps(p, v1, sum[r][1]);
+        sum[r][2] = _mm512_fmadd_ps(p, v2, sum[r][2]);
+        sum[r][3] = _mm512_fmadd_ps(p, v3, sum[r][3]);
+      }
+    }
+    for (int r = 0; r < kMicroRows; ++r)
+      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc[r] + c + 16 * v, sum[r][v]);
+  }
+}
+
 // scores[r][k] = sum_d q_r[d] * keys_t[d][k], for `rows` (<= kMicroRows) rows and kKeyTile keys.
-void tile_scores(const float* const* queries, int64_t rows, const float* keys_t, int64_t D, float* scores) {
+void tile_scores(const float* const* queries, int64_t rows, const float* keys_t, int64_t D, float* scores,
+                 bool avx512) {
+  if (avx512 && rows == kMicroRows) return tile_scores_avx512(queries, keys_t, D, scores);
 #ifdef CHUNKSERVE_AVX2
   if (rows == kMicroRows) {
     for (int64_t k = 0; k < kKeyTile; k += 16) {
@@ -91,7 +151,8 @@ void tile_scores(const float* const* queries, int64_t rows, const float* keys_t,
 
 // acc_r += sum_k probs[r][k] * value_k, for `rows` rows, `keys` values (rows of D floats).
 void tile_values(const float* probs, int64_t rows, const float* const* values, int64_t keys, int64_t D,
-                 float* const* acc) {
+                 float* const* acc, bool avx512) {
+  if (avx512 && rows == kMicroRows && D % 64 == 0) return tile_values_avx512(probs, values, keys, D, acc);
   int64_t r = 0;
 #ifdef CHUNKSERVE_AVX2
   if (D % 32 == 0) {
@@ -132,7 +193,7 @@ void tile_values(const float* probs, int64_t rows, const float* const* values, i
 
 // One kv head j, positions [first, last) of the chunk: writes their rows of `out`.
 template <typename T>
-void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, float* out) {
+void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, float* out, bool avx512) {
   constexpr bool kWidenValues = !std::is_same_v<T, float>;  // float32 values are read in place
   const int64_t D = p.D, rows = (last - first) * p.G;
   std::vector<float> keys_t(D * kKeyTile), scores(kMicroRows * kKeyTile);
@@ -166,7 +227,7 @@ void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, fl
         queries[r] = p.query(j, first, r0 + r);
         row_acc[r] = acc.data() + (r0 + r) * D;
       }
-      tile_scores(queries, micro, keys_t.data(), D, scores.data());
+      tile_scores(queries, micro, keys_t.data(), D, scores.data(), avx512);
       for (int64_t r = 0; r < micro; ++r) {
         float* row = scores.data() + r * kKeyTile;
         const int64_t seen =  // the tile's keys at or before the row's position
@@ -190,7 +251,7 @@ void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, fl
           for (int64_t d = 0; d < D; ++d) row_acc[r][d] *= rescale;
         }
       }
-      tile_values(scores.data(), micro, values.data(), keys, D, row_acc);
+      tile_values(scores.data(), micro, values.data(), keys, D, row_acc, avx512);
     }
   }
   for (int64_t i = 0; i < rows; ++i) {
@@ -229,11 +290,12 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   CHUNKSERVE_DISPATCH_KV(k_cache.scalar_type(), "paged_prefill_attention", [&] {
     const Problem<scalar_t> problem{q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                     blocks, start, H, KVH, D, H / KVH, block_size, static_cast<float>(scale)};
+    const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       for (int64_t unit = next++; unit < units; unit = next++) {
         const int64_t tile = tiles - 1 - unit / KVH, j = unit % KVH;
-        attend_unit(problem, j, tile * kPositionTile, std::min(n, (tile + 1) * kPositionTile), out_data);
+        attend_unit(problem, j, tile * kPositionTile, std::min(n, (tile + 1) * kPositionTile), out_data, avx512);
       }
     });
   });
