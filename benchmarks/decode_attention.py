@@ -3,12 +3,13 @@ against the same kernel at an earlier commit.
 
 A Scenario A-sized decode step: 64 decodes with contexts of 260-300 tokens, SmolLM2-135M's
 heads (9 query heads, 3 kv heads of 64), 16-slot blocks scattered at random over a pool, and
-30 layers with a cache each, so that the KV comes from memory as in a real step (~0.85 GB).
-With `--baseline REV`, the kernel as it was at REV is built beside the current one and the two
-run alternately, `--rounds` times each; both must give the same output. The streaming read
+30 layers with a cache each, so that the KV comes from memory as in a real step (0.42 GB in
+bfloat16, the default here, 0.83 GB with `--kv-dtype float32`). With `--baseline REV`, the
+kernel as it was at REV is built beside the current one and the two run alternately, `--rounds`
+times each; their outputs must agree to float32 rounding (their sums may run in other orders). The streaming read
 rate (a sum over 1 GiB) is measured beside them: the rate memory gives to a plain scan.
 
-    .venv/bin/python benchmarks/decode_attention.py [--baseline d0a2295] [--rounds 9]
+    .venv/bin/python benchmarks/decode_attention.py [--baseline d0a2295] [--rounds 9] [--kv-dtype float32]
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 def kernel_at(revision: str, build_dir: str) -> Callable[..., torch.Tensor]:
     """paged_decode_attention as csrc/ held it at `revision`, built on its own."""
     csrc = os.path.relpath(os.path.join(os.path.dirname(cpp_ops.__file__), "csrc"), _repository_root())
-    for name in ("ops.h", "simd.h", "paged_attention.cpp"):
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{csrc}"], capture_output=True, text=True,
+                           check=True, cwd=_repository_root()).stdout.split()
+    for name in names:  # the headers it may include, and the sources it may need
         source = subprocess.run(["git", "show", f"{revision}:{csrc}/{name}"], capture_output=True, text=True,
                                 check=True, cwd=_repository_root()).stdout
         with open(os.path.join(build_dir, name), "w") as file:
@@ -47,8 +50,9 @@ def kernel_at(revision: str, build_dir: str) -> Callable[..., torch.Tensor]:
         file.write(_BINDING)
     from torch.utils.cpp_extension import load
 
+    sources = [name for name in ("paged_attention.cpp", "cpu_isa.cpp") if name in names] + ["binding.cpp"]
     module = load(name=f"decode_attention_{revision}", build_directory=build_dir, extra_include_paths=[build_dir],
-                  sources=[os.path.join(build_dir, "paged_attention.cpp"), os.path.join(build_dir, "binding.cpp")],
+                  sources=[os.path.join(build_dir, name) for name in sources],
                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
     return module.paged_decode_attention
 
@@ -62,15 +66,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--baseline", help="a commit whose kernel runs alternately with the current one")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                        help="the cache's dtype (bfloat16: what --dtype auto gives on a CPU with native bfloat16)")
     args = parser.parse_args()
+    kv_dtype = getattr(torch, args.kv_dtype)
 
     kernels = {"current": cpp_ops.build_cpp_ops().decode_attention}
     with tempfile.TemporaryDirectory() as build_dir:
         if args.baseline:
             kernels[args.baseline] = kernel_at(args.baseline, build_dir)
         generator = torch.Generator().manual_seed(0)
-        caches = [(torch.randn(POOL_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator),
-                   torch.randn(POOL_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator))
+        caches = [(torch.randn(POOL_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype),
+                   torch.randn(POOL_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype))
                   for _ in range(LAYERS)]
         max_blocks = -(-MAX_CONTEXT // BLOCK_SIZE)
         tables = torch.randperm(POOL_BLOCKS, generator=generator)[: DECODES * max_blocks].view(DECODES, max_blocks)
@@ -79,7 +86,7 @@ def main() -> None:
         scale = HEAD_DIM**-0.5
 
         outputs = [kernel(q, *caches[0], tables, context_lens, BLOCK_SIZE, scale) for kernel in kernels.values()]
-        if any(not torch.equal(output, outputs[0]) for output in outputs):
+        if any(not torch.allclose(output, outputs[0], rtol=1e-5, atol=1e-5) for output in outputs):
             raise SystemExit("the kernels disagree")
 
         def step(kernel: Callable[..., torch.Tensor]) -> float:
@@ -94,8 +101,9 @@ def main() -> None:
                 times[name].append(step(kernel))
         read_rate = memory_read_gb_s(repeats=3)
 
-    kv_bytes = 2 * KV_HEADS * HEAD_DIM * 4 * int(context_lens.sum()) * LAYERS
-    print(f"{DECODES} decodes, contexts {MIN_CONTEXT}-{MAX_CONTEXT}, {LAYERS} layers: {kv_bytes / 1e9:.2f} GB of KV "
+    kv_bytes = 2 * KV_HEADS * HEAD_DIM * kv_dtype.itemsize * int(context_lens.sum()) * LAYERS
+    print(f"{DECODES} decodes, contexts {MIN_CONTEXT}-{MAX_CONTEXT}, {LAYERS} layers: {kv_bytes / 1e9:.2f} GB of "
+          f"{args.kv_dtype} KV "
           f"per step; streaming read {read_rate:.1f} GB/s")
     print("| kernel | step ms (median) | GB/s |")
     print("|---|---|---|")

@@ -18,16 +18,16 @@ BLOCK_SIZE = 16
 KV_DTYPES = [torch.float32, torch.bfloat16]
 
 
-def decode_step(heads: int, kv_heads: int, head_dim: int):
+def decode_step(heads: int, kv_heads: int, head_dim: int, block_size: int = BLOCK_SIZE):
     """(q, k_cache, v_cache, scheduled, tokens) of a decode step at contexts from 1 to 1000."""
     rng = np.random.default_rng(0)
-    num_blocks = 200
-    k_cache = torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim)
-    v_cache = torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim)
+    num_blocks = -(-3200 // block_size)
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
     blocks = list(rng.permutation(num_blocks))
     scheduled = []
     for i, context_len in enumerate([1, 5, 16, 17, 300, 1000, 33]):
-        table = [int(blocks.pop()) for _ in range(-(-context_len // BLOCK_SIZE))]
+        table = [int(blocks.pop()) for _ in range(-(-context_len // block_size))]
         scheduled.append(ScheduledRequest(f"r{i}", context_len - 1, 1, table, True, True, True))
     tokens = {s.request_id: [0] * (s.num_computed_tokens + 1) for s in scheduled}
     q = torch.randn(len(scheduled), heads, head_dim)
@@ -53,14 +53,23 @@ def mixed_step(heads: int, kv_heads: int, head_dim: int, block_size: int):
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
-def test_in_place_decode_equals_the_torch_reference(cpp_ops, heads, kv_heads, head_dim, kv_dtype):
-    """Over a bfloat16 cache too: both read it widened to float32, so float32 tolerances hold."""
-    q, k_cache, v_cache, scheduled, tokens = decode_step(heads, kv_heads, head_dim)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size",
+                         [(9, 3, 64, 16), (4, 4, 32, 16), (8, 2, 128, 16), (8, 1, 64, 16), (10, 2, 64, 16),
+                          (9, 3, 64, 80), (9, 3, 64, 1)])
+def test_in_place_decode_equals_the_torch_reference(cpp_ops, cpu_isa, heads, kv_heads, head_dim, block_size,
+                                                    kv_dtype):
+    """Over a bfloat16 cache too: both read it widened to float32, so float32 tolerances hold.
+    GQA groups of 1 to 8 (8 and 5: the AVX-512 path's three-head tiles and a remainder), heads
+    of 64 (that path) and others, blocks of 16 keys (one 512-bit register of scores), more
+    (several per block) and one; with each instruction set the CPU has."""
+    q, k_cache, v_cache, scheduled, tokens = decode_step(heads, kv_heads, head_dim, block_size)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
-    reference = paged_attention(q, k_cache, v_cache, build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE).attn, 0.125)
+    tables = tables_of(scheduled)
+    reference = paged_attention(q, k_cache, v_cache, build_forward_batch(scheduled, tokens, tables, block_size).attn,
+                                0.125)
     in_place = paged_attention(q, k_cache, v_cache,
-                               build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE, cpp_ops.attention_kernels()).attn, 0.125)
+                               build_forward_batch(scheduled, tokens, tables, block_size, cpp_ops.attention_kernels()).attn,
+                               0.125)
     torch.testing.assert_close(in_place, reference, rtol=1e-5, atol=1e-5)
 
 

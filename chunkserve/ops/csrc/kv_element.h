@@ -3,7 +3,10 @@
 // the upper half of a float32, so widening one is exact (a shift).
 #pragma once
 
+#include "cpu_isa.h"
 #include "simd.h"
+
+#include <immintrin.h>
 
 #include <c10/util/BFloat16.h>
 
@@ -23,6 +26,13 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 #endif
+
+// Sixteen consecutive elements as float32, where the CPU has AVX-512 (active_cpu_isa).
+CHUNKSERVE_AVX512_TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+CHUNKSERVE_AVX512_TARGET inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
 
 }  // namespace kv
 

@@ -14,9 +14,16 @@
 // lines (all at once would overflow the L1 miss buffers): 0.84x the time over 30 layers of 64
 // decodes (benchmarks/decode_attention.py --baseline d0a2295).
 //
+// Where the CPU has AVX-512 and heads are 64 wide, a block's keys and values are loaded once
+// per kv head for up to three of its query heads together (GQA), in 512-bit registers, instead
+// of once per query head. That path computes faster than its prefetches used to land, so it
+// issues them a few lines per key, and during a partition's last block it prefetches the first
+// block of the thread's next unit.
+//
 // The cache is float32 or bfloat16 (kv_element.h); either is widened to float32 as it is
 // loaded, and q, the softmax and the accumulators stay float32.
 #include "ops.h"
+#include "cpu_isa.h"
 #include "kv_element.h"
 
 #include <ATen/Parallel.h>
@@ -29,6 +36,8 @@
 namespace {
 
 constexpr int64_t kPartitionBlocks = 16;
+constexpr int64_t kHeadTile = 3;  // query heads of one kv head sharing each loaded key (AVX-512 path)
+constexpr int64_t kKeyChunk = 16;
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, group, block_size;
@@ -89,6 +98,121 @@ void accumulate_values_avx2(const float* weights, const T* values, int64_t slot_
   for (int v = 0; v < DV; ++v) _mm256_storeu_ps(acc + 8 * v, sum[v]);
 }
 #endif
+
+// Up to kKeyChunk keys (key i at keys + i * slot_stride) for the Heads query heads at q (64
+// floats each, consecutive): their scores, the online softmax update of each head's max, sum
+// and 64-float accumulator, and the values' weighted sum, with each key and value row widened
+// once for all the heads.
+template <int Heads, typename T>
+CHUNKSERVE_AVX512_TARGET void attend_keys_avx512(const float* q, const T* keys, const T* values, int64_t slot_stride,
+                                                 int64_t n, float scale, float* max, float* sum, float* acc,
+                                                 const char* prefetch_k, const char* prefetch_v,
+                                                 int64_t prefetch_lines) {
+  const int64_t lines_per_key = (prefetch_lines + n - 1) / n;
+  __m512 query[Heads][4];
+  for (int g = 0; g < Heads; ++g)
+    for (int c = 0; c < 4; ++c) query[g][c] = _mm512_loadu_ps(q + g * 64 + 16 * c);
+  alignas(64) float scores[Heads][kKeyChunk];
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t line = i * lines_per_key; line < std::min((i + 1) * lines_per_key, prefetch_lines); ++line)
+      __builtin_prefetch(prefetch_k + line * 64, 0, 3);
+    const T* key = keys + i * slot_stride;
+    const __m512 k0 = kv::load16(key), k1 = kv::load16(key + 16), k2 = kv::load16(key + 32), k3 = kv::load16(key + 48);
+    for (int g = 0; g < Heads; ++g) {
+      __m512 dot = _mm512_mul_ps(query[g][0], k0);
+      dot = _mm512_fmadd_ps(query[g][1], k1, dot);
+      dot = _mm512_fmadd_ps(query[g][2], k2, dot);
+      dot = _mm512_fmadd_ps(query[g][3], k3, dot);
+      scores[g][i] = _mm512_reduce_add_ps(dot);
+    }
+  }
+  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+  __m512 weights[Heads];
+  float rescale[Heads];
+  for (int g = 0; g < Heads; ++g) {
+    const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, scores[g]), _mm512_set1_ps(scale));
+    const float new_max = std::max(max[g], _mm512_mask_reduce_max_ps(live, scaled));
+    rescale[g] = std::exp(max[g] - new_max);  // 0 for the first keys
+    _mm512_store_ps(scores[g], _mm512_sub_ps(scaled, _mm512_set1_ps(new_max)));
+#pragma omp simd
+    for (int64_t i = 0; i < kKeyChunk; ++i) scores[g][i] = std::exp(scores[g][i]);
+    weights[g] = _mm512_maskz_load_ps(live, scores[g]);
+    sum[g] = sum[g] * rescale[g] + _mm512_reduce_add_ps(weights[g]);
+    max[g] = new_max;
+  }
+  __m512 out[Heads][4];
+  for (int g = 0; g < Heads; ++g)
+    for (int c = 0; c < 4; ++c) out[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * 64 + 16 * c), _mm512_set1_ps(rescale[g]));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t line = i * lines_per_key; line < std::min((i + 1) * lines_per_key, prefetch_lines); ++line)
+      __builtin_prefetch(prefetch_v + line * 64, 0, 3);
+    const T* value = values + i * slot_stride;
+    const __m512 v0 = kv::load16(value), v1 = kv::load16(value + 16), v2 = kv::load16(value + 32),
+                 v3 = kv::load16(value + 48);
+    for (int g = 0; g < Heads; ++g) {
+      const __m512 weight = _mm512_set1_ps(scores[g][i]);
+      out[g][0] = _mm512_fmadd_ps(weight, v0, out[g][0]);
+      out[g][1] = _mm512_fmadd_ps(weight, v1, out[g][1]);
+      out[g][2] = _mm512_fmadd_ps(weight, v2, out[g][2]);
+      out[g][3] = _mm512_fmadd_ps(weight, v3, out[g][3]);
+    }
+  }
+  for (int g = 0; g < Heads; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * 64 + 16 * c, out[g][c]);
+}
+
+// A partition's keys with AVX-512, for 64-wide heads: block by block, each kv head's keys and
+// values loaded once for its query heads, kHeadTile at a time. The next block's lines are
+// prefetched a few per key as the block is computed (issued all at once they would stall the core
+// on its miss buffers); during a partition's last block, the first block of the thread's next
+// unit (`following_offset`, `following_lines`; 0 lines where there is none).
+template <typename T>
+void attend_partition_avx512(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                             int64_t first_position, int64_t end_position, const Shape& s, Partial partial,
+                             int64_t following_offset, int64_t following_lines) {
+  const int64_t slot_stride = s.num_kv_heads * s.head_dim, H = s.num_heads;
+  std::fill(partial.max, partial.max + H, -std::numeric_limits<float>::infinity());
+  std::fill(partial.sum, partial.sum + H, 0.f);
+  std::fill(partial.acc, partial.acc + H * 64, 0.f);
+  constexpr int64_t kLine = 64;
+  for (int64_t start = first_position; start < end_position; start += s.block_size) {
+    const int64_t n = std::min(s.block_size, end_position - start);
+    const int64_t first_slot = table[start / s.block_size] * s.block_size;
+    const int64_t next = start + s.block_size;
+    const int64_t next_lines = next < end_position
+                                   ? std::min(s.block_size, end_position - next) * slot_stride * int64_t(sizeof(T)) / kLine
+                                   : following_lines;
+    const int64_t next_offset = next < end_position ? table[next / s.block_size] * s.block_size * slot_stride
+                                                    : following_offset;
+    const char* next_k = reinterpret_cast<const char*>(k_cache + next_offset);
+    const char* next_v = reinterpret_cast<const char*>(v_cache + next_offset);
+    const int64_t lines_per_kv_head = (next_lines + s.num_kv_heads - 1) / s.num_kv_heads;
+    for (int64_t j = 0; j < s.num_kv_heads; ++j) {
+      const int64_t first_line = std::min(j * lines_per_kv_head, next_lines);
+      const int64_t lines = std::min((j + 1) * lines_per_kv_head, next_lines) - first_line;
+      const int64_t head_offset = first_slot * slot_stride + j * 64;
+      for (int64_t i = 0; i < n; i += kKeyChunk) {
+        const int64_t keys = std::min(kKeyChunk, n - i);
+        const T* k = k_cache + head_offset + i * slot_stride;
+        const T* v = v_cache + head_offset + i * slot_stride;
+        for (int64_t g = 0; g < s.group; g += kHeadTile) {
+          const int64_t h = j * s.group + g;
+          const float* query = q + h * 64;
+          float *max = partial.max + h, *sum = partial.sum + h, *acc = partial.acc + h * 64;
+          // this kv head's share of the lines to prefetch, with its first chunk and head tile
+          const int64_t prefetch = i == 0 && g == 0 ? lines : 0;
+          const char* pk = next_k + first_line * kLine;
+          const char* pv = next_v + first_line * kLine;
+          switch (std::min(kHeadTile, s.group - g)) {
+            case 1: attend_keys_avx512<1>(query, k, v, slot_stride, keys, s.scale, max, sum, acc, pk, pv, prefetch); break;
+            case 2: attend_keys_avx512<2>(query, k, v, slot_stride, keys, s.scale, max, sum, acc, pk, pv, prefetch); break;
+            default: attend_keys_avx512<3>(query, k, v, slot_stride, keys, s.scale, max, sum, acc, pk, pv, prefetch); break;
+          }
+        }
+      }
+    }
+  }
+}
 
 template <typename T>
 void block_scores(const float* q, const T* keys, int64_t slot_stride, int64_t n, int64_t D, float scale,
@@ -237,6 +361,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   CHUNKSERVE_DISPATCH_KV(k_cache.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
     const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
+    const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512 && head_dim == 64;
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t unit = begin; unit < end; ++unit) {
@@ -244,8 +369,21 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         const int64_t first_position = (unit - first_unit[b]) * partition_len;
         const Partial partial{max.data() + unit * num_heads, sum.data() + unit * num_heads,
                               acc.data() + unit * num_heads * head_dim};
-        attend_partition(q_data + b * num_heads * head_dim, k_data, v_data, tables + b * max_blocks, first_position,
-                         std::min(lens[b], first_position + partition_len), shape, partial, scores);
+        const int64_t end_position = std::min(lens[b], first_position + partition_len);
+        if (avx512) {
+          int64_t following_offset = 0, following_lines = 0;  // the first block of the next unit
+          if (unit + 1 < end) {
+            const int64_t b2 = unit_request[unit + 1], first2 = (unit + 1 - first_unit[b2]) * partition_len;
+            following_offset = tables[b2 * max_blocks + first2 / block_size] * block_size * num_kv_heads * head_dim;
+            following_lines = std::min(block_size, lens[b2] - first2) * num_kv_heads * head_dim *
+                              int64_t(sizeof(scalar_t)) / 64;
+          }
+          attend_partition_avx512(q_data + b * num_heads * head_dim, k_data, v_data, tables + b * max_blocks,
+                                  first_position, end_position, shape, partial, following_offset, following_lines);
+        } else {
+          attend_partition(q_data + b * num_heads * head_dim, k_data, v_data, tables + b * max_blocks, first_position,
+                           end_position, shape, partial, scores);
+        }
       }
     });
   });
