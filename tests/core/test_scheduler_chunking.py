@@ -48,12 +48,19 @@ def cut_chunks(output):
 
 @pytest.mark.parametrize("align, budget", [(4, 30), (8, 32), (16, 50), (16, 64)])
 def test_every_cut_chunk_is_aligned(align, budget):
+    """Aligned, except where no block boundary lay within the step's room: that chunk takes the
+    rest of the budget, cut at any token, and the prompt's next chunk ends on a boundary."""
     seen_step_alignment = []
 
     def check(scheduler, output):
         for rows_before, s in cut_chunks(output):
-            n = s.num_scheduled_tokens
-            assert n % BLOCK == 0 and (s.num_computed_tokens + n) % BLOCK == 0
+            start, n = s.num_computed_tokens, s.num_scheduled_tokens
+            if (start + n) % BLOCK:
+                assert rows_before + n == budget and (start + n) // BLOCK == start // BLOCK
+                continue
+            if start % BLOCK:
+                continue  # back onto a boundary after such a chunk
+            assert n % BLOCK == 0
             step_aligned = (rows_before + n) % align == 0
             assert n % align == 0 or step_aligned or n == BLOCK, f"chunk {n} after {rows_before} rows"
             seen_step_alignment.append(step_aligned and rows_before % align != 0)
@@ -64,6 +71,18 @@ def test_every_cut_chunk_is_aligned(align, budget):
                        max_num_partial_prefills=2), requests, check)
     if align > BLOCK:
         assert any(seen_step_alignment), "no chunk was shortened to align the whole step"
+
+
+def test_a_budget_of_one_block_admits_prompts_beside_decodes():
+    """At a budget of one block, a block-aligned chunk never fits beside a decode row: cut at
+    any token instead, prompts keep being admitted while others decode (the engine once ran at
+    most two requests at once this way under load), and every request finishes."""
+    scheduler = make_scheduler(max_num_batched_tokens=BLOCK, max_num_seqs=16)
+    running_at_once = []
+    requests = [make_request(f"r{i}", 3 * BLOCK + 1, max_tokens=20) for i in range(8)]
+    outputs = run(scheduler, requests, lambda s, o: running_at_once.append(len(o.scheduled)))
+    assert max(running_at_once) == BLOCK  # a step of one decode per row: the budget, all in use
+    assert all(len(tokens) == 20 for tokens in outputs.values())
 
 
 def test_decreasing_schedule_chunks_of_a_known_prompt():

@@ -15,6 +15,9 @@ request's tokens the step takes. The limits, in order:
   multiple of `--chunk-align` tokens (never below one KV block), and shortened a little
   further when that makes the step's total rows (decodes + chunks) a multiple of the
   alignment too, so no step pays for a matmul tile it barely uses (Sarathi's 256 -> 257 rows).
+  Alignment never starves a prompt: where the room left is less than the rest of a block
+  (a budget of one block beside a decode), the chunk takes that room, cut at any token as
+  vLLM cuts.
 
 The starvation guard belongs to the same policy: under a TBT SLO the decodes alone may fill
 a step, and a prompt would then never get a token. One prompt per step that has had no
@@ -59,8 +62,9 @@ class ChunkPolicy:
 
     def chunk(self, request: Request, start: int, room: int, step: StepBuilder) -> Chunk:
         """How many of the request's tokens after `start` this step takes: all of them, or an
-        aligned chunk, or 0 when not even one block fits (or chunking is off). `room` is
-        what else limits it (KV blocks for a new request)."""
+        aligned chunk, or all the room when no block boundary lies within it; 0 when there is
+        no room, chunking is off, or the TBT SLO leaves no block. `room` is what else limits
+        it (KV blocks for a new request)."""
         remaining = request.num_tokens - start
         config = self.config
         limit = min(room, step.budget)
@@ -70,6 +74,8 @@ class ChunkPolicy:
             limit = min(limit, config.chunk_schedule.step_tokens(start) - step.num_rows)
         slo_limit = self._slo_limit(step, start, limit)
         num_tokens = self._cut(remaining, start, min(limit, slo_limit), step.num_rows)
+        if num_tokens == 0 and slo_limit >= limit > 0 and config.enable_chunked_prefill:
+            return Chunk(limit)  # no block boundary within the room: unaligned, rather than never
         if num_tokens == 0 and slo_limit < limit and self._starving(request, step):
             return Chunk(self._cut(remaining, start, min(limit, config.chunk_alignment), step.num_rows), past_slo=True)
         return Chunk(num_tokens)
@@ -81,6 +87,8 @@ class ChunkPolicy:
             return 0
         block_size = self.config.block_size
         fits = (start + limit) // block_size * block_size - start
+        if start % block_size:  # after a chunk cut at any token: back onto a block boundary
+            return max(fits, 0)
         return align_chunk(fits, rows_before, self.config.chunk_alignment, block_size)
 
     def _slo_limit(self, step: StepBuilder, start: int, limit: int) -> int:

@@ -12,8 +12,8 @@ Sarathi-Serve's stall-free one:
 
 How long a prompt chunk is belongs to the chunk policy (chunking.py), who goes first to the
 admission policy (admission.py), whom to preempt to the preemption policy (preemption.py).
-A prompt chunk that does not finish its prompt ends on a block boundary, so chunks are
-whole pages. With prefix caching, an admitted request starts after the longest cached run of
+A prompt chunk that does not finish its prompt ends on a block boundary where one lies within
+the step's room, so chunks are whole pages (chunking.py). With prefix caching, an admitted request starts after the longest cached run of
 blocks that begins its tokens (and after what the KV connector can supply), and every block
 becomes cacheable once its tokens are computed and verified.
 

@@ -339,10 +339,26 @@ class _OpenAISampling(_Bootstrap):
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: MaxTokens | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0 only with echo (echo_only)
     logprobs: NumLogprobs | None = None
     echo: bool = False
     add_special_tokens: bool = True  # text prompts are encoded with BOS and the like (vLLM's field)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated, as vLLM
+        answers it (scoring a text); the engine samples one token, which the answer leaves out."""
+        return self.echo and self.max_tokens == 0
+
+    def check_fields(self) -> None:
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens must be at least 1 (0 only with echo: the prompt alone)",
+                                      "max_tokens")
+        super().check_fields()
+
+    def completion_max_tokens(self) -> int | None:
+        """The engine's max_tokens: one for an echo-only request (the sample it leaves out)."""
+        return 1 if self.echo_only else self.max_tokens
 
     def prompts(self) -> list[str | TokenIds]:
         """The prompt field as a list of prompts (a string, strings, token ids or lists of them)."""

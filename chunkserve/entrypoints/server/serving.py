@@ -158,7 +158,7 @@ class Serving:
         if len(prompts) * body.n > self.max_prompts_per_request:
             raise InvalidRequestError(f"prompt has {len(prompts)} prompts x n = {body.n} samples, over the limit of "
                                       f"{self.max_prompts_per_request} (--max-prompts-per-request)", "prompt")
-        params = body.sampling_params(body.max_tokens, body.logprobs, self.engine.generation_defaults)
+        params = body.sampling_params(body.completion_max_tokens(), body.logprobs, self.engine.generation_defaults)
         echo_logprobs = body.echo and body.logprobs is not None  # the echoed prompt's tokens get logprobs too
         if echo_logprobs:
             params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, params.prompt_logprobs or 0))
@@ -174,6 +174,8 @@ class Serving:
             """`output.prompt_logprobs` is set in a request's first (or only) output."""
             completion, prompt_records = output.outputs[0], output.prompt_logprobs
             records = None if logprobs is None else [(r.token_id, r) for r in logprobs]
+            if body.echo_only and records is not None:
+                records = []  # the one sampled token is not part of the answer
             if records is not None and echo_logprobs and prompt_records is not None:
                 records = [*zip(output.prompt_token_ids, prompt_records), *records]
             event = {
@@ -189,7 +191,8 @@ class Serving:
             outputs = await _unless_disconnected(raw, self._beam_search(
                 request_id, prompts, body, params, add_special_tokens=body.add_special_tokens)
                 if body.use_beam_search else _collect(streams))
-            choices = [choice(i, o, echoes[i] + o.outputs[0].text, o.outputs[0].logprobs) for i, o in enumerate(outputs)]
+            choices = [choice(i, o, echoes[i] + ("" if body.echo_only else o.outputs[0].text), o.outputs[0].logprobs)
+                       for i, o in enumerate(outputs)]
             return JSONResponse({**head, "choices": choices, "usage": usage(outputs, n=body.n)})
 
         async def events() -> AsyncIterator[str]:
@@ -198,7 +201,7 @@ class Serving:
             async for index, output in _merge(streams):
                 completion = output.outputs[0]
                 generated += len(completion.new_token_ids)
-                text = echoes[index] + completion.text_delta
+                text = echoes[index] + ("" if body.echo_only else completion.text_delta)
                 echoes[index] = ""
                 logprobs = completion.new_logprobs if params.logprobs is not None else None
                 yield sse({**head, "choices": [choice(index, output, text, logprobs)], "usage": None})
@@ -254,15 +257,18 @@ class Serving:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
 
         async def events() -> AsyncIterator[str]:
-            for index in range(body.n):
-                yield sse({**head, "choices": [
-                    {"index": index, "delta": {"role": self.response_role, "content": ""}, "logprobs": None,
-                     "finish_reason": None}
-                ]})
             finals: dict[int, RequestOutput] = {}
             generated = 0
             readers = [calls.stream() for _ in range(body.n)] if calls.active else None
+            role_sent = False
             async for index, output in _merge(streams):
+                if not role_sent:  # with the first output, as vLLM: a client timing its first chunk sees the TTFT
+                    role_sent = True
+                    for choice_index in range(body.n):
+                        yield sse({**head, "choices": [
+                            {"index": choice_index, "delta": {"role": self.response_role, "content": ""},
+                             "logprobs": None, "finish_reason": None}
+                        ]})
                 completion = output.outputs[0]
                 generated += len(completion.new_token_ids)
                 logprobs = logprobs_of(completion.new_logprobs if params.logprobs is not None else None)

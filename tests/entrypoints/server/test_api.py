@@ -71,6 +71,33 @@ def test_completion_prompt_forms_and_echo(client, model_name, tiny_llm):
     assert text.startswith("Hello") and len(text) > 5 and batch.choices[0].text.startswith(text[5:])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_echo_with_no_tokens_returns_the_prompt_and_its_logprobs(tiny_server, model_name, tiny_llm, stream):
+    """vLLM's answer to echo with max_tokens 0 (scoring a text): the prompt, its tokens'
+    logprobs (none for the first), nothing generated; usage counts the one token vLLM samples
+    and leaves out. Without echo, max_tokens 0 is a 400 naming it."""
+    prompt = "Once upon a time"
+    prompt_ids = tiny_llm.get_tokenizer().encode(prompt)
+    body = {"model": model_name, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "stream": stream}
+    with tiny_server.client() as http:
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        if stream:
+            events = [json.loads(line[len("data: "):]) for line in response.text.splitlines()
+                      if line.startswith("data: {")]
+            choices = [event["choices"][0] for event in events if event["choices"]]
+            text = "".join(choice["text"] for choice in choices)
+            logprobs = [value for choice in choices for value in choice["logprobs"]["token_logprobs"]]
+        else:
+            choice = response.json()["choices"][0]
+            text, logprobs = choice["text"], choice["logprobs"]["token_logprobs"]
+            assert choice["finish_reason"] == "length" and response.json()["usage"]["completion_tokens"] == 1
+        assert text == prompt
+        assert len(logprobs) == len(prompt_ids) and logprobs[0] is None and all(v < 0 for v in logprobs[1:])
+        refused = http.post("/v1/completions", json={**body, "echo": False})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 def test_streamed_completion_sends_one_chunk_per_token(client, model_name, tiny_llm):
     prompt = "Once upon a time"
     chunks = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=10, temperature=0,
@@ -93,6 +120,25 @@ def test_chat_equals_the_offline_chat(client, model_name, tiny_llm):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.outputs[0].text
     assert chunks[-1].choices[0].finish_reason == expected.outputs[0].finish_reason
+
+
+def test_a_chat_stream_sends_its_role_chunk_with_the_first_token(tiny_server, model_name):
+    """vLLM sends the {"role": "assistant"} chunk with the first output, and clients (vLLM's
+    `bench serve --backend openai-chat`) time the first chunk as the TTFT: sent when the stream
+    opened, it would arrive while the prompt still prefills (a long prompt here, over several
+    delayed steps). When it arrives, the server has already counted the request's first token."""
+    ttft_key = "chunkserve:time_to_first_token_seconds_count{}"
+    before = tiny_server.wait_until(lambda m: m["chunkserve:num_requests_running{}"] == 0)
+    body = {"model": model_name, "messages": [{"role": "user", "content": " ".join(["word"] * 300)}],
+            "max_tokens": 3, "stream": True}
+    with tiny_server.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = (line for line in response.iter_lines() if line.startswith("data: "))
+        first = json.loads(next(lines)[len("data: "):])
+        counted = tiny_server.metrics()[ttft_key] - before[ttft_key]
+        rest = [line for line in lines]
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert counted == 1
+    assert rest[-1] == "data: [DONE]"
 
 
 def test_the_default_model_answers_and_is_named_after_its_file(server):
