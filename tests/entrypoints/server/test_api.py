@@ -292,8 +292,10 @@ def test_prefix_cache_hits_show_in_usage_and_metrics_and_reset_waits_for_idle(ti
     ("/v1/completions", {"prompt": ""}, 400, "prompt is empty", "prompt"),
     ("/v1/completions", {"prompt": "hi " * 6000}, 400, r"prompt has \d+ tokens, but max_model_len is \d+", "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, r"exceeds max_model_len \(\d+", "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal "
-     "to 1", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, r"max_tokens must be at least 1 \(0 only with echo",
+     "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens: Input should be greater than or equal "
+     "to 0", "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p: Input should be less than or equal to 1", "top_p"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature: Input should be greater than or equal "
      "to 0", "temperature"),
