@@ -184,7 +184,7 @@ class EngineCore:
                                 zlib.crc32(payloads[i]) if i in payloads else 0, payloads.get(i))
                   for i in range(len(table))]
         generator_state = request.generator_state  # the imported one, until the worker has it
-        if self.scheduler.worker_has_state(request_id):
+        if self.scheduler.sent.has_state(request_id):
             generator_state = self.executor.collective_rpc("generator_state", (request_id,))[0]
         snapshot = RequestSnapshot(
             fingerprint=self.fingerprint, request_id=request_id,
