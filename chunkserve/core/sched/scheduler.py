@@ -44,7 +44,8 @@ This class is the loop; what a request needs beyond its counters lives with the 
 that uses it: what the worker has been sent (sent.py), the KV the connector loads or still
 sends (remote_kv.py), draft budgets and acceptance rates (core/spec/drafts.py), grammars
 (grammars.py), the chunk policy's clock, the KV manager's tables. Finishing a request asks each
-owner to forget it.
+owner to forget it; `registry_sizes()` counts every table keyed by request id, and the engine's
+self-check reports any left non-empty when nothing is unfinished (a leak).
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ from chunkserve.core.step_predictor import StepTimePredictor
 from chunkserve.core.stop import check_stop
 from chunkserve.core.structured.manager import StructuredOutputManager
 from chunkserve.errors import InvalidRequestError, ServerOverloadedError
+
+NEXT_STEP_MESSAGE = "sent.finished_since_last_step"  # a registry that is the next step's message, not a leak
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, predictor: StepTimePredictor | None = None,
@@ -192,6 +196,24 @@ class Scheduler:
         if sorted(queued) != sorted(self.requests):
             problems.append(f"{len(self.requests)} requests known but {len(queued)} queued")
         return problems
+
+    def leaks(self) -> list[str]:
+        """The per-request registries that are not empty, for the engine's self-check to ask
+        once nothing is unfinished (no request, no step in flight, no connector work): then
+        each entry is a request that was never forgotten."""
+        return [f"{name}: {size} left with no request unfinished"
+                for name, size in self.registry_sizes().items() if size and name != NEXT_STEP_MESSAGE]
+
+    def registry_sizes(self) -> dict[str, int]:
+        """The entries of every table keyed by request id, here and in the collaborators
+        (owner.name -> count). All are empty once nothing is unfinished, but
+        `NEXT_STEP_MESSAGE` (the finished ids the worker hears of with the next step)."""
+        owners = {"sent": self.sent, "remote_kv": self.remote_kv, "kv": self.kv, "chunking": self.chunking,
+                  "drafting": self.drafting, "grammars": self.grammars}
+        sizes = {"requests": len(self.requests)}
+        sizes.update({f"{name}.{registry}": size for name, owner in owners.items()
+                      for registry, size in owner.registry_sizes().items()})
+        return sizes
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix: the pool's, and what the KV connector caches (with the
