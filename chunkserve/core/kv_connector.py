@@ -28,7 +28,9 @@ Scheduler side (in the engine core, no tensors):
   - `take_failed_requests()`: requests whose transfer failed (id -> why), which the scheduler
     then finishes as aborted with that error (a disaggregated instance: never a hang);
   - `take_first_token(request_id)`: for a request whose load finished, the token another
-    instance sampled after its prompt (disaggregated decode), which it continues from.
+    instance sampled after its prompt (disaggregated decode), which it continues from;
+  - `registry_sizes()`: the entries of each of its per-request tables (name -> count), for the
+    engine's self-check: each must be empty once no request is unfinished and no work pending.
 
 Worker side (around the forward pass, with the KV tensors):
   - `bind_connector_metadata(metadata)`, `start_load_kv()` before the forward,
@@ -98,6 +100,9 @@ class KVConnectorScheduler:
 
     def take_first_token(self, request_id: str) -> Any:
         return None
+
+    def registry_sizes(self) -> dict[str, int]:
+        return {}
 
 
 class KVConnectorWorker:

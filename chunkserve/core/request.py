@@ -68,6 +68,7 @@ class Request:
     first_scheduled_time: float | None = None  # wall clock of the step that first scheduled it
     generator_state: bytes | None = None  # an imported seeded request's generator, for the worker
     kv_transfer_params: TransferParams | None = None  # disaggregated: the room its KV goes to or comes from
+    admission_seq: int = 0  # when it last started running, in the scheduler's count: the latest is preempted first
 
     def __post_init__(self) -> None:
         if self.sampling_params.max_tokens is None:

@@ -184,7 +184,7 @@ class EngineCore:
                                 zlib.crc32(payloads[i]) if i in payloads else 0, payloads.get(i))
                   for i in range(len(table))]
         generator_state = request.generator_state  # the imported one, until the worker has it
-        if self.scheduler.worker_has_state(request_id):
+        if self.scheduler.sent.has_state(request_id):
             generator_state = self.executor.collective_rpc("generator_state", (request_id,))[0]
         snapshot = RequestSnapshot(
             fingerprint=self.fingerprint, request_id=request_id,
@@ -259,8 +259,11 @@ class EngineCore:
 
     def check(self) -> dict:
         """The engine's self-check: `ok` when its state is consistent and it is idle, with
-        every KV block free or cached and no request left."""
+        every KV block free or cached and no request left; once nothing is unfinished, a
+        per-request registry of the scheduler's that still holds entries is a problem (a leak)."""
         problems = self.scheduler.check()
+        if not self.has_unfinished_requests():
+            problems += self.scheduler.leaks()
         pool = self.scheduler.kv.pool
         report = {"num_requests": len(self.scheduler.requests), "num_free_blocks": pool.num_free_blocks,
                   "num_cached_blocks": pool.num_cached_blocks, "num_blocks": pool.num_blocks}

@@ -20,11 +20,12 @@ BLOCK = 4
 EOS = 0
 
 
-def make_scheduler(num_blocks: int = 1000, predictor=None, clock=None, kv_connector=None, **overrides) -> Scheduler:
+def make_scheduler(num_blocks: int = 1000, predictor=None, clock=None, kv_connector=None, structured=None,
+                   **overrides) -> Scheduler:
     config = dict(max_num_batched_tokens=32, max_num_seqs=16, max_model_len=4000, block_size=BLOCK)
     config.update(overrides)
     return Scheduler(SchedulerConfig(**config), num_blocks, predictor, **({"clock": clock} if clock else {}),
-                     kv_connector=kv_connector)
+                     kv_connector=kv_connector, structured=structured)
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, priority: int = 0,
@@ -209,3 +210,24 @@ class FakeRemoteConnector(KVConnectorScheduler):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self.sending.append(request.request_id)
         return True, {"blocks": list(block_ids)}
+
+
+class ConnectedRunner(FakeRunner):
+    """The fake runner plus the connector's worker side: loads land in the slots (the KV the
+    request's own prefill would have written), sends finish the step after they are asked for."""
+
+    def __init__(self, prompts: dict[str, list[int]]) -> None:
+        super().__init__()
+        self.prompts = prompts
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        result = super().execute(output)
+        meta = output.kv_connector_metadata
+        for request_id, (block_ids, num_tokens) in meta["load"].items():
+            self.tables[request_id] = block_ids
+            prompt = self.prompts[request_id]
+            for pos in range((num_tokens - 1) // BLOCK * BLOCK):
+                self.slots[self.slot(request_id, pos)] = (pos, tuple(prompt[: pos + 1]))
+            result.finished_recving.add(request_id)
+        result.finished_sending.update(meta["send"])
+        return result

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from chunkserve.core.kv_connector import NoOpConnector
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from chunkserve.core.sched.output import ModelRunnerOutput
 from tests.core.support import (
     BLOCK,
+    ConnectedRunner,
     FakeRemoteConnector,
     FakeRunner,
     assert_pool_free,
@@ -16,27 +17,6 @@ from tests.core.support import (
     make_scheduler,
     run,
 )
-
-
-class ConnectedRunner(FakeRunner):
-    """The fake runner plus the connector's worker side: loads land in the slots (the KV the
-    request's own prefill would have written), sends finish the step after they are asked for."""
-
-    def __init__(self, prompts: dict[str, list[int]]) -> None:
-        super().__init__()
-        self.prompts = prompts
-
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        result = super().execute(output)
-        meta = output.kv_connector_metadata
-        for request_id, (block_ids, num_tokens) in meta["load"].items():
-            self.tables[request_id] = block_ids
-            prompt = self.prompts[request_id]
-            for pos in range((num_tokens - 1) // BLOCK * BLOCK):
-                self.slots[self.slot(request_id, pos)] = (pos, tuple(prompt[: pos + 1]))
-            result.finished_recving.add(request_id)
-        result.finished_sending.update(meta["send"])
-        return result
 
 
 def test_remote_kv_is_awaited_then_only_the_rest_is_computed():

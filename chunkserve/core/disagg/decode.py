@@ -134,6 +134,9 @@ class DecodeConnectorScheduler(KVConnectorScheduler):
     def take_first_token(self, request_id: str) -> FirstToken | None:
         return self._first.pop(request_id, None)
 
+    def registry_sizes(self) -> dict[str, int]:
+        return {"rooms": len(self._rooms), "by_request": len(self._by_request), "first_tokens": len(self._first)}
+
     def get_kv_connector_stats(self) -> KVTransferStats:
         states = [room.state for room in self._rooms.values()]
         return KVTransferStats(

@@ -220,6 +220,9 @@ class DiskTierScheduler(KVConnectorScheduler):
         self._stored_bytes = 0
         self.files.remove_all()
 
+    def registry_sizes(self) -> dict[str, int]:
+        return {"matched": len(self._matched), "loads": len(self._loads), "loading": len(self._loading)}
+
     def get_kv_connector_stats(self) -> KVTierStats:
         return KVTierStats(
             hit_tokens_total=self._hit_tokens, load_bytes_total=self._load_bytes,

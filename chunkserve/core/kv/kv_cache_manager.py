@@ -86,14 +86,18 @@ class KVCacheManager:
         reading it."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
-        hashes = self.block_hashes_for(request, (request.num_tokens - 1) // self.block_size)
+        blocks = self.cached_run(self.block_hashes_for(request, (request.num_tokens - 1) // self.block_size))
+        return blocks, len(blocks) * self.block_size
+
+    def cached_run(self, block_hashes: Iterable[bytes]) -> list[int]:
+        """The cached blocks of the longest run of `block_hashes` from the first."""
         blocks = []
-        for block_hash in hashes:
+        for block_hash in block_hashes:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             blocks.append(block_id)
-        return blocks, len(blocks) * self.block_size
+        return blocks
 
     def next_block_in_flight(self, request: Request, num_cached_blocks: int, others: Iterable[Request]) -> bool:
         """Whether one of `others` is computing the request's next block (the one after its
@@ -213,6 +217,11 @@ class KVCacheManager:
         """The pool's consistency with every block table and the `detached` tables still held."""
         holders = Counter(b for table in [*self._block_tables.values(), *detached] for b in table)
         return self.pool.check(holders)
+
+    def registry_sizes(self) -> dict[str, int]:
+        """Entries of each per-request table (every one empty once no request is left)."""
+        return {"block_tables": len(self._block_tables), "num_registered": len(self._num_registered),
+                "block_hashes": len(self._block_hashes)}
 
     def free_blocks(self, block_ids: list[int]) -> None:
         """Release blocks taken with `detach`, the last first (as `free`)."""

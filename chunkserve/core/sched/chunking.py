@@ -60,6 +60,9 @@ class ChunkPolicy:
     def forget(self, request_id: str) -> None:
         self._last_progress.pop(request_id, None)
 
+    def registry_sizes(self) -> dict[str, int]:
+        return {"last_progress": len(self._last_progress)}
+
     def chunk(self, request: Request, start: int, room: int, step: StepBuilder) -> Chunk:
         """How many of the request's tokens after `start` this step takes: all of them, or an
         aligned chunk, or all the room when no block boundary lies within it; 0 when there is

@@ -8,7 +8,7 @@ from __future__ import annotations
 from chunkserve.core.request import Request
 
 
-def pick_victim(candidates: list[Request], scheduling_policy: str, admission_order: dict[str, int]) -> Request:
+def pick_victim(candidates: list[Request], scheduling_policy: str) -> Request:
     if scheduling_policy == "priority":
         return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-    return max(candidates, key=lambda r: admission_order[r.request_id])
+    return max(candidates, key=lambda r: r.admission_seq)

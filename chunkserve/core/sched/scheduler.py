@@ -39,6 +39,13 @@ Structured outputs (a grammar per request, core/structured/): a request waits, w
 anyone up, until its grammar is compiled; each row that samples gets its grammar's token
 bitmask (drafts are first cut at the first token the grammar refuses); the grammar advances by
 the accepted tokens only, and a grammar that is complete finishes its request.
+
+This class is the loop; what a request needs beyond its counters lives with the collaborator
+that uses it: what the worker has been sent (sent.py), the KV the connector loads or still
+sends (remote_kv.py), draft budgets and acceptance rates (core/spec/drafts.py), grammars
+(grammars.py), the chunk policy's clock, the KV manager's tables. Finishing a request asks each
+owner to forget it; `registry_sizes()` counts every table keyed by request id, and the engine's
+self-check reports any left non-empty when nothing is unfinished (a leak).
 """
 
 from __future__ import annotations
@@ -53,24 +60,21 @@ from chunkserve.core.kv_connector import KVConnectorScheduler, NoOpConnector
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.admission import Admission, AdmissionPolicy
 from chunkserve.core.sched.chunking import Chunk, ChunkPolicy
-from chunkserve.core.sched.output import (
-    EngineCoreOutput,
-    KVTierStats,
-    KVTransferStats,
-    ModelRunnerOutput,
-    NewRequestData,
-    ScheduledRequest,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from chunkserve.core.sched.grammars import Grammars
+from chunkserve.core.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from chunkserve.core.sched.preemption import pick_victim
+from chunkserve.core.sched.remote_kv import RemoteKV
+from chunkserve.core.sched.sent import SentToWorker
 from chunkserve.core.sched.step_builder import StepBuilder
+from chunkserve.core.spec.drafts import DraftBudget
 from chunkserve.core.spec.ngram import NgramProposer
-from chunkserve.core.spec.policy import DecodeLoad, DraftPolicy
+from chunkserve.core.spec.policy import DraftPolicy
 from chunkserve.core.step_predictor import StepTimePredictor
 from chunkserve.core.stop import check_stop
-from chunkserve.core.structured.manager import GrammarError, StructuredOutputManager
+from chunkserve.core.structured.manager import StructuredOutputManager
 from chunkserve.errors import InvalidRequestError, ServerOverloadedError
+
+NEXT_STEP_MESSAGE = "sent.finished_since_last_step"  # a registry that is the next step's message, not a leak
 
 
 class Scheduler:
@@ -81,8 +85,7 @@ class Scheduler:
         it); `clock` is the wall clock that request arrival times use; `structured` holds the
         requests' grammars (none: a request with structured_outputs is refused)."""
         self.config = config
-        self.structured = structured
-        self._grammar_errors: dict[str, str] = {}  # request id -> why its output left its grammar
+        self.grammars = Grammars(structured)
         self.predictor = predictor
         self._clock = clock
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -93,27 +96,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
-        self._admission_order: dict[str, int] = {}
         self._next_admission = 0
-        self._blocks_sent: dict[str, int] = {}  # blocks of each request's table the worker has
-        self._known_to_worker: set[str] = set()
-        self._resend_as_new: set[str] = set()  # new in a step that failed: the worker may not have them
-        self._finished_since_last_step: set[str] = set()
-        self._remote_kv_tokens: dict[str, int] = {}  # computed tokens once the connector's load lands
-        # finished requests' blocks, held until the connector has sent them (oldest first per id)
-        self._sending: dict[str, deque[list[int]]] = {}
-        self._tokens_sent: dict[str, int] = {}  # with send_token_ids: tokens of each request the workers have
-        # steps in flight (pipelined): each one's requests, as (the Request, its preemption count) when it was
-        # scheduled: a result applies only to the same request (an id may be reused) not preempted since
-        self._in_flight: dict[int, dict[str, tuple[Request, int]]] = {}
-        self._awaiting_token: set[str] = set()  # pipelined: their sampling step is in flight
+        self.sent = SentToWorker(config.send_token_ids, self.pipelined)  # the worker's view of the requests
+        self.remote_kv = RemoteKV(self.connector, self.kv)  # KV the connector loads, and sends after a finish
+        self.drafting = DraftBudget(config, self.kv, predictor, self.grammars)
         # while the engine searches for the request that makes steps fail, only these run (the others
         # keep their blocks and wait); None: every request may run
         self.only: set[str] | None = None
-        spec = config.speculative
-        self.draft_policy = None if spec is None else DraftPolicy(spec, predictor)
-        self.ngram = None if spec is None or spec.drafts_in_worker else NgramProposer(
-            spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens of requests admitted for the first time (cumulative)
         self.prefix_cache_hits = 0  # of those, found in the prefix cache
@@ -122,7 +111,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
-        self._start_grammar(request)
+        self.grammars.start(request)
         self.requests[request.request_id] = request
         self.chunking.track(request.request_id, request.arrival_time)
         self.waiting.append(request)
@@ -139,26 +128,20 @@ class Scheduler:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         num_computed = request.num_computed_tokens
-        cached = []
-        if self.kv.enable_caching:
-            for block_hash in block_hashes:
-                block_id = self.kv.pool.lookup(block_hash)
-                if block_id is None:
-                    break
-                cached.append(block_id)
+        cached = self.kv.cached_run(block_hashes) if self.kv.enable_caching else []
         num_blocks = self.kv.num_blocks_for(num_computed)
         missing = [i for i in range(len(cached), num_blocks) if not has_payload[i]]
         if missing:
             raise InvalidRequestError(f"snapshot block {missing[0]}'s KV was left out but this engine's prefix cache "
                                       "does not hold it after the blocks before it: export the request again with "
                                       "its payload")
-        if num_computed and len(self.running) + len(self._remote_kv_tokens) >= self.config.max_num_seqs:
+        if num_computed and len(self.running) + self.remote_kv.num_loading >= self.config.max_num_seqs:
             raise ServerOverloadedError(f"{self.config.max_num_seqs} requests are already running; retry the "
                                         "import later")
         if num_computed and self.kv.allocate_slots(request.request_id, num_computed, cached) is None:
             raise ServerOverloadedError(f"the KV pool has no room for the imported request's {num_blocks} blocks "
                                         f"({self.kv.num_free_blocks} free); retry later")
-        self._start_grammar(request)
+        self.grammars.start(request)
         self.requests[request.request_id] = request
         self.chunking.track(request.request_id, request.arrival_time)
         if not num_computed:  # nothing computed yet: it waits like a new request
@@ -168,10 +151,6 @@ class Scheduler:
         self._start_running(request)
         table = self.kv.block_table(request.request_id)
         return [(table[i], i) for i in range(len(cached), num_blocks)]
-
-    def worker_has_state(self, request_id: str) -> bool:
-        """Whether the worker holds the request's state (token history, generator) as it stands."""
-        return request_id in self._known_to_worker and request_id not in self._resend_as_new
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (e.g. abort) requests wherever they are; frees their blocks at once."""
@@ -193,7 +172,7 @@ class Scheduler:
         """Requests waiting or running, or finished ones whose KV the connector is still sending,
         or connector work still pending (a KV tier's saves): the engine keeps stepping (an
         empty step still runs the worker's side of the connector) until all of it is done."""
-        return bool(self.waiting or self.running or self._sending or self.connector.has_pending_work())
+        return bool(self.waiting or self.running or self.remote_kv.is_sending or self.connector.has_pending_work())
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -206,23 +185,41 @@ class Scheduler:
             prefix_cache_queries_total=self.prefix_cache_queries,
             prefix_cache_hits_total=self.prefix_cache_hits,
             spec_decode=None if self.draft_policy is None else self.draft_policy.stats(),
-            **_connector_stats(self.connector.get_kv_connector_stats()),
+            **self.remote_kv.stats(),
         )
 
     def check(self) -> list[str]:
         """What is inconsistent between the queues, the requests and the KV pool (for the
         engine's self-check: every block held by a live request or free)."""
-        problems = self.kv.check([table for tables in self._sending.values() for table in tables])
+        problems = self.kv.check(self.remote_kv.held_tables())
         queued = [r.request_id for r in [*self.waiting, *self.running]]
         if sorted(queued) != sorted(self.requests):
             problems.append(f"{len(self.requests)} requests known but {len(queued)} queued")
         return problems
 
+    def leaks(self) -> list[str]:
+        """The per-request registries that are not empty, for the engine's self-check to ask
+        once nothing is unfinished (no request, no step in flight, no connector work): then
+        each entry is a request that was never forgotten."""
+        return [f"{name}: {size} left with no request unfinished"
+                for name, size in self.registry_sizes().items() if size and name != NEXT_STEP_MESSAGE]
+
+    def registry_sizes(self) -> dict[str, int]:
+        """The entries of every table keyed by request id, here and in the collaborators
+        (owner.name -> count). All are empty once nothing is unfinished, but
+        `NEXT_STEP_MESSAGE` (the finished ids the worker hears of with the next step)."""
+        owners = {"sent": self.sent, "remote_kv": self.remote_kv, "kv": self.kv, "chunking": self.chunking,
+                  "drafting": self.drafting, "grammars": self.grammars}
+        sizes = {"requests": len(self.requests)}
+        sizes.update({f"{name}.{registry}": size for name, owner in owners.items()
+                      for registry, size in owner.registry_sizes().items()})
+        return sizes
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix: the pool's, and what the KV connector caches (with the
         disk tier, its files of this model are removed). Refused (False) while any request is
         unfinished (a tier's writes still in flight do not count: they are removed as they land)."""
-        if self.waiting or self.running or self._sending or not self.kv.reset_prefix_cache():
+        if self.waiting or self.running or self.remote_kv.is_sending or not self.kv.reset_prefix_cache():
             return False
         self.connector.reset_cache()
         return True
@@ -239,8 +236,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = StepBuilder(self.config.max_num_batched_tokens, self._clock())
-        if self.draft_policy is not None and self.ngram is None:
-            step.decode_load = self._decode_load()
+        if self.drafting.uses_draft_model:
+            step.decode_load = self.drafting.decode_load(self.running)
         if self.config.enable_mixed_batch:
             self._schedule_decodes(step)
             self._schedule_prefills(step)
@@ -249,20 +246,14 @@ class Scheduler:
             if not step.scheduled:
                 self._schedule_decodes(step)
 
-        new_requests = [self._new_request_data(self.requests[s.request_id]) for s in step.scheduled
-                        if s.request_id not in self._known_to_worker or s.request_id in self._resend_as_new]
-        self._known_to_worker.update(r.request_id for r in new_requests)
-        self._resend_as_new.difference_update(r.request_id for r in new_requests)
-        if self.config.send_token_ids:
-            self._attach_new_tokens(step.scheduled, {r.request_id for r in new_requests})
+        new_requests = self.sent.new_requests(step.scheduled, self.requests)
         self.prefix_cache_queries += step.prefix_cache_queries
         self.prefix_cache_hits += step.prefix_cache_hits
-        mask_seconds = self._fill_bitmasks(step.scheduled)
-        finished, self._finished_since_last_step = self._finished_since_last_step, set()
+        mask_seconds = self.grammars.fill_bitmasks(step.scheduled)
         output = SchedulerOutput(
             scheduled=step.scheduled,
             new_requests=new_requests,
-            finished_request_ids=finished,
+            finished_request_ids=self.sent.take_finished(),
             preempted_request_ids=step.preempted,
             prefix_cache_queries=step.prefix_cache_queries,
             prefix_cache_hits=step.prefix_cache_hits,
@@ -271,48 +262,27 @@ class Scheduler:
             grammar_mask_s=mask_seconds,
         )
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
-        if self.pipelined and output.scheduled:
-            self._in_flight[id(output)] = {s.request_id: (self.requests[s.request_id],
-                                                          self.requests[s.request_id].num_preemptions)
-                                           for s in output.scheduled}
+        self.sent.step_sent(output, self.requests)
         return output
 
     @property
     def pipelined(self) -> bool:
         return self.config.max_steps_in_flight > 1
 
-    def _attach_new_tokens(self, scheduled: list[ScheduledRequest], new_ids: set[str]) -> None:
-        """Each scheduled request's tokens the workers have not been sent yet (its latest sampled ones)."""
-        for s in scheduled:
-            request = self.requests[s.request_id]
-            sent = self._tokens_sent.get(s.request_id)
-            if s.request_id not in new_ids and sent is not None and sent < request.num_tokens:
-                s.token_ids_from = sent
-                s.new_token_ids = request.output_token_ids[sent - request.num_prompt_tokens:]
-            self._tokens_sent[s.request_id] = request.num_tokens
+    @property
+    def draft_policy(self) -> DraftPolicy | None:
+        return self.drafting.policy
 
-    def _still_scheduled_as(self, output: SchedulerOutput, request: Request) -> bool:
-        """Pipelined: whether `request` is as `output` scheduled it (not preempted since)."""
-        scheduled_as = self._in_flight.get(id(output), {}).get(request.request_id)
-        return scheduled_as is not None and scheduled_as[0] is request and scheduled_as[1] == request.num_preemptions
+    @property
+    def ngram(self) -> NgramProposer | None:
+        return self.drafting.ngram
 
     def void_step(self, output: SchedulerOutput) -> None:
         """The step failed: nothing it scheduled was computed (the counters were never
-        advanced), and the worker may or may not have applied its diffs, so what it carried
-        is sent again: new requests as new (the worker replaces a state it has), block tables
-        whole, finished requests again."""
-        self._resend_as_new.update(new.request_id for new in output.new_requests)
-        for scheduled in output.scheduled:
-            self._blocks_sent.pop(scheduled.request_id, None)
-            if scheduled.new_token_ids and scheduled.request_id in self._tokens_sent:
-                self._tokens_sent[scheduled.request_id] = scheduled.token_ids_from
-            request = self.requests.get(scheduled.request_id)
-            if request is not None and self._still_scheduled_as(output, request):  # its count went ahead: back
-                request.num_computed_tokens -= scheduled.num_scheduled_tokens
-                if scheduled.sample:
-                    self._awaiting_token.discard(request.request_id)
-        self._in_flight.pop(id(output), None)
-        self._finished_since_last_step |= output.finished_request_ids
+        advanced, or, pipelined, go back), and the worker may or may not have applied its
+        diffs, so what it carried is sent again: new requests as new (the worker replaces a
+        state it has), block tables whole, finished requests again."""
+        self.sent.void(output, self.requests)
         self.connector.step_failed(output.kv_connector_metadata)
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -324,11 +294,8 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.is_finished:
                 continue
-            if self.pipelined:
-                if not self._still_scheduled_as(output, request):  # preempted (or replaced) since: void
-                    continue
-                if scheduled.sample:
-                    self._awaiting_token.discard(request.request_id)
+            if self.pipelined and not self.sent.result_applies(output, request, scheduled):
+                continue  # preempted (or replaced) since: void
             accepted = runner_output.sampled_token_ids.get(scheduled.request_id, [])
             rejected = len(scheduled.draft_token_ids) - (len(accepted) - 1) if accepted else 0
             assert rejected >= 0, f"{scheduled.request_id}: more tokens accepted than drafted"
@@ -339,17 +306,16 @@ class Scheduler:
             if not accepted:
                 self.kv.cache_full_blocks(request, computed)
                 continue
-            if self.draft_policy is not None:
-                self.draft_policy.observe(request.request_id, len(scheduled.draft_token_ids), len(accepted) - 1)
-                self.draft_policy.observe_next_token(request.request_id, accepted[0])
-            status = None
+            if self.drafting.policy is not None:
+                self.drafting.observe(request.request_id, len(scheduled.draft_token_ids), accepted)
+            status = error = None
             for count, token_id in enumerate(accepted, 1):
                 request.output_token_ids.append(token_id)
                 status = check_stop(request, self.config.max_model_len)
                 if status is not None:
                     break
-            if status is None and self._has_grammar(request):
-                status = self._advance_grammar(request, accepted[:count])
+            if status is None and self.grammars.has(request.request_id):
+                status, error = self.grammars.advance(request, accepted[:count])
             # A stop inside an accepted run drops the tokens after it; none of them is computed.
             request.num_computed_tokens = min(computed, request.num_tokens - 1)
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
@@ -362,26 +328,11 @@ class Scheduler:
             logprobs = runner_output.logprobs.get(request.request_id)
             output_now = self.output_of(request, accepted[:count], None if logprobs is None else logprobs[:count],
                                         runner_output.prompt_logprobs.get(request.request_id))
-            error = self._grammar_errors.pop(request.request_id, None)
             outputs.append(output_now if error is None else output_now._replace(error=error))
-        self._in_flight.pop(id(output), None)
-        if self.ngram is not None and continuing:
-            self._propose_ngrams(continuing)
+        self.sent.step_done(output)
+        if self.drafting.ngram is not None and continuing:
+            self.drafting.propose_ngrams(continuing, self.running)
         return outputs
-
-    def _propose_ngrams(self, requests: list[Request]) -> None:
-        """Each request's n-gram drafts for its next step, as many as the draft policy says pay
-        (a proposal it does not get stays as its shadow, to keep its acceptance rate current)."""
-        load = self._decode_load()
-        for request in requests:
-            proposal = self.ngram.propose(request.all_token_ids, self.config.max_model_len)
-            k = self.draft_policy.num_drafts(request.request_id, len(proposal), load, request.num_computed_tokens)
-            request.spec_token_ids = proposal[:k]
-            self.draft_policy.set_shadow(request.request_id, proposal[0] if proposal and not k else None)
-
-    def _decode_load(self) -> DecodeLoad:
-        """The running requests' next decodes (those whose prompts are done), one row each."""
-        return DecodeLoad.of([r.num_computed_tokens for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens])
 
     @staticmethod
     def output_of(request: Request, new_token_ids: list[int], new_logprobs=None,
@@ -403,7 +354,7 @@ class Scheduler:
             if step.budget < 1:
                 break
             # drafts only from budget that every decode after this one still leaves
-            drafts = self._drafts_that_fit(request, step.budget - (len(decoding) - index - 1))
+            drafts = self.drafting.that_fit(request, step.budget - (len(decoding) - index - 1))
             self._schedule_running(request, Chunk(1 + len(drafts)), step, drafts)
 
     def _schedule_prefills(self, step: StepBuilder) -> None:
@@ -411,7 +362,7 @@ class Scheduler:
         in_progress = [r for r in self.running
                        if not r.is_decoding and not step.is_taken(r.request_id) and self._schedulable(r)]
         waiting = (r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS and self._may_run(r)
-                   and self._grammar_ready(r))
+                   and self.grammars.is_ready(r.request_id))
         admitting = True
         for request in self.admission.order(in_progress, waiting, step.now):
             if step.is_taken(request.request_id):  # preempted for an earlier one: it waits
@@ -425,7 +376,7 @@ class Scheduler:
 
     def _admit(self, request: Request, step: StepBuilder) -> Admission:
         """Admit a waiting request if it fits."""
-        if len(self.running) + len(self._remote_kv_tokens) >= self.config.max_num_seqs or step.budget < 1:
+        if len(self.running) + self.remote_kv.num_loading >= self.config.max_num_seqs or step.budget < 1:
             return Admission.STOP  # (requests loading remote KV hold a sequence slot already)
         cached_blocks, num_cached = self.kv.get_computed_blocks(request)
         if self.kv.next_block_in_flight(request, len(cached_blocks), self.running):
@@ -440,10 +391,11 @@ class Scheduler:
         if num_external and load_async:
             if num_cached + num_external > kv_room:
                 return Admission.STOP
-            admission = self._await_remote_kv(request, cached_blocks, num_cached + num_external)
-            if admission != Admission.STOP and request.num_preemptions == 0:
+            if not self.remote_kv.start_load(request, cached_blocks, num_cached + num_external):
+                return Admission.STOP
+            if request.num_preemptions == 0:
                 step.count_prefix_query(request.num_tokens, num_cached)  # the pool's hit; the connector's apart
-            return admission
+            return Admission.SKIPPED  # it runs once its KV is loaded
         start = num_cached + num_external
         chunk = self.chunking.chunk(request, start, kv_room - start, step)
         if chunk.num_tokens == 0:
@@ -462,20 +414,8 @@ class Scheduler:
             step.count_prefix_query(request.num_tokens, num_cached)
         self.waiting.remove(request)
         self._start_running(request)
-        self._add_to_step(request, chunk, step, (), self._allocate_lookahead(request, chunk, step, []))
+        self._add_to_step(request, chunk, step, (), self.drafting.allocate_lookahead(request, chunk, step, [], self.running))
         return Admission.ADMITTED
-
-    def _await_remote_kv(self, request: Request, cached_blocks: list[int], num_tokens: int) -> Admission:
-        """The connector loads the request's KV asynchronously: hold its blocks while it
-        waits, out of the step; it runs once the worker reports the load finished."""
-        if self.kv.allocate_slots(request.request_id, num_tokens, cached_blocks) is None:
-            return Admission.STOP
-        self.connector.update_state_after_alloc(
-            request, self.kv.block_table(request.request_id), num_tokens - len(cached_blocks) * self.config.block_size)
-        request.num_computed_tokens = len(cached_blocks) * self.config.block_size
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self._remote_kv_tokens[request.request_id] = num_tokens
-        return Admission.SKIPPED
 
     def _connector_progress(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Apply what the KV connector reported: loads finished (a disaggregated decode's first
@@ -485,7 +425,7 @@ class Scheduler:
         invalid = runner_output.invalid_block_ids
         for request_id in runner_output.finished_recving:
             request = self.requests.get(request_id)
-            num_tokens = self._remote_kv_tokens.pop(request_id, None)
+            num_tokens = self.remote_kv.take_loaded(request_id)
             if request is None or num_tokens is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
             if invalid:  # a block failed to load: the request computes from the first such block
@@ -511,27 +451,13 @@ class Scheduler:
             if first is not None:
                 outputs.append(self.output_of(request, [first.token_id],
                                               None if first.logprobs is None else [first.logprobs]))
-        for request_id in runner_output.finished_sending:
-            held = self._sending.get(request_id)
-            if held:
-                self.kv.free_blocks(held.popleft())
-                if not held:
-                    del self._sending[request_id]
+        self.remote_kv.release_sent(runner_output.finished_sending)
         for request_id, reason in self.connector.take_failed_requests().items():
             for request in self.finish_requests([request_id], RequestStatus.FINISHED_ABORTED):
                 outputs.append(self.output_of(request, [])._replace(error=reason, kv_transfer_failed=True))
         return outputs
 
     # ----- helpers --------------------------------------------------------------------
-
-    def _drafts_that_fit(self, request: Request, budget: int) -> list[int]:
-        """The request's drafts, trimmed to the budget left beside its own token and to the
-        output it may still produce (its proposer kept them under max_model_len)."""
-        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
-        drafts = request.spec_token_ids[: max(room, 0)]
-        if drafts and self._has_grammar(request):
-            drafts = drafts[: self.structured.num_valid_drafts(request.request_id, drafts)]
-        return drafts
 
     def _may_run(self, request: Request) -> bool:
         """Not kept out of the steps by the failure triage."""
@@ -540,13 +466,13 @@ class Scheduler:
     def _schedulable(self, request: Request) -> bool:
         """May run, its grammar (if any) is ready, and (pipelined) it is not waiting for the
         token of a step in flight."""
-        return (self._may_run(request) and request.request_id not in self._awaiting_token
-                and self._grammar_ready(request))
+        return (self._may_run(request) and not self.sent.is_awaiting_token(request.request_id)
+                and self.grammars.is_ready(request.request_id))
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self._admission_order[request.request_id] = self._next_admission
+        request.admission_seq = self._next_admission
         self._next_admission += 1
 
     def _schedule_running(self, request: Request, chunk: Chunk, step: StepBuilder,
@@ -555,59 +481,19 @@ class Scheduler:
         until its blocks fit. Its drafts are trimmed to the blocks no other running request
         needs for its next token: drafts never cost anyone a preemption."""
         if drafts:
-            held = len(self.kv.block_table(request.request_id))
-            needed = self.kv.num_blocks_for(request.num_computed_tokens + chunk.num_tokens) - held
-            if self.kv.num_free_blocks - len(self.running) < needed:  # (else plenty: others need a block at most)
-                room = (held + self._spare_blocks(request, step)) * self.config.block_size - request.num_computed_tokens
-                drafts = drafts[: max(room - 1, 0)]
-                chunk = Chunk(1 + len(drafts))
+            chunk, drafts = self.drafting.trim_to_blocks(request, chunk, step, drafts, self.running)
         total = request.num_computed_tokens + chunk.num_tokens
-        proposals = self._allocate_lookahead(request, chunk, step, drafts or [])
+        proposals = self.drafting.allocate_lookahead(request, chunk, step, drafts or [], self.running)
         while self.kv.allocate_slots(request.request_id, total) is None:
-            # requests kept out of steps go first: they would not run anyway
-            candidates = [r for r in self.running if not step.is_taken(r.request_id)]
-            if self._in_flight:  # pipelined: a request with no step in flight loses the least, then one whose
-                busy = {request_id for step in self._in_flight.values() for request_id in step}  # step samples not
-                candidates = ([r for r in candidates if r.request_id not in busy]
-                              or [r for r in candidates if r.request_id not in self._awaiting_token] or candidates)
+            # requests kept out of steps go first: they would not run anyway; pipelined, a request with no
+            # step in flight loses the least, then one whose step samples not
+            candidates = self.sent.prefer_idle([r for r in self.running if not step.is_taken(r.request_id)])
             candidates = [r for r in candidates if not self._may_run(r)] or candidates
-            victim = pick_victim(candidates, self.config.scheduling_policy, self._admission_order)
+            victim = pick_victim(candidates, self.config.scheduling_policy)
             self._preempt(victim, step)
             if victim is request:
                 return
         self._add_to_step(request, chunk, step, drafts or [], proposals)
-
-    def _allocate_lookahead(self, request: Request, chunk: Chunk, step: StepBuilder, drafts: list[int]) -> int:
-        """With a draft model: the drafts it proposes for the request after this step, with the
-        slots their rows write allocated, if they take no block another running request needs
-        for its next token (else none: no drafts rather than a preemption)."""
-        proposals = self._draft_model_proposals(request, chunk, step, drafts)
-        if not proposals:
-            return 0
-        total = request.num_computed_tokens + chunk.num_tokens + proposals
-        needed = self.kv.num_blocks_for(total) - len(self.kv.block_table(request.request_id))
-        if self.kv.num_free_blocks - len(self.running) < needed and needed > self._spare_blocks(request, step):
-            return 0
-        return proposals if self.kv.allocate_slots(request.request_id, total) is not None else 0
-
-    def _spare_blocks(self, request: Request, step: StepBuilder) -> int:
-        """Free blocks that no running request but `request`, not yet in the step, needs for its next token."""
-        return self.kv.num_free_blocks - sum(max(self.kv.num_blocks_for(r.num_computed_tokens + 1) - len(self.kv.block_table(r.request_id)),
-                              0) for r in self.running if r is not request and not step.is_taken(r.request_id))
-
-    def _draft_model_proposals(self, request: Request, chunk: Chunk, step: StepBuilder, drafts: list[int]) -> int:
-        """With a draft model: how many drafts it should propose for the request after this step,
-        if the step samples it (the slots they are computed in are allocated with the step's)."""
-        if self.draft_policy is None or self.ngram is not None:
-            return 0
-        if request.num_computed_tokens + chunk.num_tokens - len(drafts) != request.num_tokens:
-            return 0  # a prompt chunk that does not finish the prompt samples nothing
-        context = request.num_tokens + len(drafts)  # (at most: the bonus token's position)
-        room = min(self.config.speculative.num_speculative_tokens, self.config.max_model_len - 1 - context,
-                   request.max_tokens - request.num_output_tokens - 2 - len(drafts))
-        load = step.decode_load if request.is_decoding else DecodeLoad(
-            step.decode_load.shape.plus(request.num_tokens, 1, is_decode=True), step.decode_load.num_decodes + 1)
-        return self.draft_policy.num_drafts(request.request_id, room, load, context)
 
     def _add_to_step(self, request: Request, chunk: Chunk, step: StepBuilder, drafts: list[int] = (),
                      proposals: int = 0) -> None:
@@ -617,22 +503,19 @@ class Scheduler:
         if not request.is_decoding:
             self.chunking.track(request_id, step.now)
             step.past_slo |= chunk.past_slo
-        table = self.kv.block_table(request_id)
-        sent = self._blocks_sent.get(request_id)
-        self._blocks_sent[request_id] = len(table)
-        step.add(request, chunk.num_tokens, table[sent or 0:], sent is None, list(drafts), proposals)
+        new_block_ids, resets_block_table = self.sent.block_diff(request_id, self.kv.block_table(request_id))
+        step.add(request, chunk.num_tokens, new_block_ids, resets_block_table, list(drafts), proposals)
         if self.pipelined:
             request.num_computed_tokens += chunk.num_tokens
             if step.scheduled[-1].sample:
-                self._awaiting_token.add(request_id)
+                self.sent.await_token(request_id)
 
     def _preempt(self, request: Request, step: StepBuilder) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)
-        self._blocks_sent.pop(request.request_id, None)
+        self.sent.preempted(request.request_id)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-        self._awaiting_token.discard(request.request_id)
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.chunking.track(request.request_id, step.now)
@@ -641,91 +524,20 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        """The request leaves: each owner of its state forgets it (its blocks are freed, or
+        held while the KV connector sends them)."""
         request_id = request.request_id
         request.status = status
-        delay_free, _ = self.connector.request_finished(request, self.kv.block_table(request_id))
-        if delay_free:  # held apart from the id, which a new request may reuse at once
-            self._sending.setdefault(request_id, deque()).append(self.kv.detach(request_id))
-        else:
-            self.kv.remove_request(request_id)
-        self._admission_order.pop(request_id, None)
-        self._blocks_sent.pop(request_id, None)
-        self._remote_kv_tokens.pop(request_id, None)
-        self._tokens_sent.pop(request_id, None)
-        self._awaiting_token.discard(request_id)
-        if self.structured is not None:
-            self.structured.remove(request_id)
-        if self.draft_policy is not None:
-            self.draft_policy.forget(request_id)
+        self.remote_kv.forget(request)
+        self.sent.forget(request_id)
+        self.drafting.forget(request_id)
         self.chunking.forget(request_id)
+        self.grammars.forget(request_id)
         del self.requests[request_id]
-        self._resend_as_new.discard(request_id)
-        if request_id in self._known_to_worker:
-            self._known_to_worker.discard(request_id)
-            self._finished_since_last_step.add(request_id)
-
-    # ----- structured outputs ---------------------------------------------------------------
-
-    def _start_grammar(self, request: Request) -> None:
-        params = request.sampling_params.structured_outputs
-        if params is None:
-            return
-        if self.structured is None:
-            raise InvalidRequestError("structured outputs are not available in this engine", "structured_outputs")
-        self.structured.add(request.request_id, params, request.output_token_ids)
-
-    def _has_grammar(self, request: Request) -> bool:
-        return self.structured is not None and self.structured.has(request.request_id)
-
-    def _grammar_ready(self, request: Request) -> bool:
-        return self.structured is None or self.structured.is_ready(request.request_id)
-
-    def _fill_bitmasks(self, scheduled: list[ScheduledRequest]) -> float:
-        """Each sampling row's bitmask, on its scheduled request; returns the seconds it took."""
-        if self.structured is None:
-            return 0.0
-        start = time.perf_counter()
-        for s in scheduled:
-            if s.sample and self.structured.has(s.request_id):
-                s.grammar_bitmask = self.structured.bitmask(s.request_id, s.draft_token_ids)
-        return time.perf_counter() - start
-
-    def _advance_grammar(self, request: Request, accepted: list[int]) -> RequestStatus | None:
-        """The grammar takes the step's accepted tokens. FINISHED_ABORTED (with the reason kept
-        for the output) if a token is outside it, which the bitmask should make impossible;
-        FINISHED_STOPPED if it took an EOS that did not stop the request (ignore_eos): nothing
-        may follow. A grammar that is complete otherwise allows only EOS next, so the request
-        ends on its EOS like any other (vLLM's way), and its text is the grammar's."""
-        try:
-            self.structured.accept(request.request_id, accepted)
-        except GrammarError as error:
-            self._grammar_errors[request.request_id] = str(error)
-            return RequestStatus.FINISHED_ABORTED
-        if accepted[-1] == request.eos_token_id and self.structured.is_terminated(request.request_id):
-            return RequestStatus.FINISHED_STOPPED
-        return None
 
     def take_grammar_failures(self) -> list[EngineCoreOutput]:
         """Requests whose grammar did not compile: finished (aborted), with the reason."""
-        if self.structured is None:
-            return []
-        failed = self.structured.take_failures()
+        failed = self.grammars.take_failures()
         finished = self.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
         return [self.output_of(r, [])._replace(error=failed[r.request_id]) for r in finished]
 
-    @staticmethod
-    def _new_request_data(request: Request) -> NewRequestData:
-        return NewRequestData(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            sampling_params=request.sampling_params,
-            eos_token_id=request.eos_token_id,
-            output_token_ids=list(request.output_token_ids),
-            generator_state=request.generator_state,
-        )
-
-
-def _connector_stats(stats: KVTierStats | KVTransferStats | None) -> dict:
-    if isinstance(stats, KVTransferStats):
-        return {"kv_transfer": stats}
-    return {"kv_tier": stats}

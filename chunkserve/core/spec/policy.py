@@ -158,6 +158,9 @@ class DraftPolicy:
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
+    def registry_sizes(self) -> dict[str, int]:
+        return {"acceptance": len(self._requests)}
+
     def stats(self) -> SpecDecodeStats:
         return SpecDecodeStats(self._num_drafts, self._num_draft_tokens, self._num_accepted, tuple(self._per_pos))
 

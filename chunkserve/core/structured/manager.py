@@ -108,6 +108,10 @@ class StructuredOutputManager:
         if future is not None:
             future.cancel()
 
+    def registry_sizes(self) -> dict[str, int]:
+        """Grammars per state, every one keyed by request id (empty once no request is left)."""
+        return {"compiling": len(self._compiling), "matchers": len(self._matchers)}
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
