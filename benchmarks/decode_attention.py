@@ -10,6 +10,7 @@ times each; their outputs must agree to float32 rounding (their sums may run in 
 rate (a sum over 1 GiB) is measured beside them: the rate memory gives to a plain scan.
 
     .venv/bin/python benchmarks/decode_attention.py [--baseline d0a2295] [--rounds 9] [--kv-dtype float32]
+    .venv/bin/python benchmarks/decode_attention.py --smoke    # 4 decodes, 2 layers, one round: does it run?
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import time
 from collections.abc import Callable
 
 import torch
-from engine_speed import memory_read_gb_s  # benchmarks/, the script's own folder
+from support import add_smoke_flag, memory_read_gb_s  # benchmarks/support.py
 
 import chunkserve.ops.cpp_ops as cpp_ops
 
 DECODES, MIN_CONTEXT, MAX_CONTEXT, LAYERS = 64, 260, 300, 30
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, POOL_BLOCKS = 9, 3, 64, 16, 2048
+SMOKE_DECODES, SMOKE_LAYERS, SMOKE_POOL_BLOCKS = 4, 2, 128
 _BINDING = """#include "ops.h"
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
@@ -68,21 +70,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="bfloat16",
                         help="the cache's dtype (bfloat16: what --dtype auto gives on a CPU with native bfloat16)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
     kv_dtype = getattr(torch, args.kv_dtype)
+    decodes, layers, pool_blocks = (SMOKE_DECODES, SMOKE_LAYERS, SMOKE_POOL_BLOCKS) if args.smoke else \
+        (DECODES, LAYERS, POOL_BLOCKS)
+    rounds, read_gib = (1, 1 / 64) if args.smoke else (args.rounds, 1.0)
 
     kernels = {"current": cpp_ops.build_cpp_ops().decode_attention}
     with tempfile.TemporaryDirectory() as build_dir:
         if args.baseline:
             kernels[args.baseline] = kernel_at(args.baseline, build_dir)
         generator = torch.Generator().manual_seed(0)
-        caches = [(torch.randn(POOL_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype),
-                   torch.randn(POOL_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype))
-                  for _ in range(LAYERS)]
+        caches = [(torch.randn(pool_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype),
+                   torch.randn(pool_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype))
+                  for _ in range(layers)]
         max_blocks = -(-MAX_CONTEXT // BLOCK_SIZE)
-        tables = torch.randperm(POOL_BLOCKS, generator=generator)[: DECODES * max_blocks].view(DECODES, max_blocks)
-        context_lens = torch.randint(MIN_CONTEXT, MAX_CONTEXT + 1, (DECODES,), generator=generator)
-        q = torch.randn(DECODES, HEADS, HEAD_DIM, generator=generator)
+        tables = torch.randperm(pool_blocks, generator=generator)[: decodes * max_blocks].view(decodes, max_blocks)
+        context_lens = torch.randint(MIN_CONTEXT, MAX_CONTEXT + 1, (decodes,), generator=generator)
+        q = torch.randn(decodes, HEADS, HEAD_DIM, generator=generator)
         scale = HEAD_DIM**-0.5
 
         outputs = [kernel(q, *caches[0], tables, context_lens, BLOCK_SIZE, scale) for kernel in kernels.values()]
@@ -96,13 +102,13 @@ def main() -> None:
             return time.perf_counter() - start
 
         times: dict[str, list[float]] = {name: [] for name in kernels}
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for name, kernel in kernels.items():
                 times[name].append(step(kernel))
-        read_rate = memory_read_gb_s(repeats=3)
+        read_rate = memory_read_gb_s(repeats=3, gib=read_gib)
 
-    kv_bytes = 2 * KV_HEADS * HEAD_DIM * kv_dtype.itemsize * int(context_lens.sum()) * LAYERS
-    print(f"{DECODES} decodes, contexts {MIN_CONTEXT}-{MAX_CONTEXT}, {LAYERS} layers: {kv_bytes / 1e9:.2f} GB of "
+    kv_bytes = 2 * KV_HEADS * HEAD_DIM * kv_dtype.itemsize * int(context_lens.sum()) * layers
+    print(f"{decodes} decodes, contexts {MIN_CONTEXT}-{MAX_CONTEXT}, {layers} layers: {kv_bytes / 1e9:.2f} GB of "
           f"{args.kv_dtype} KV "
           f"per step; streaming read {read_rate:.1f} GB/s")
     print("| kernel | step ms (median) | GB/s |")

@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,13 +24,10 @@ import time
 
 import httpx
 
+from chunkserve.bench.service import Service, free_port
+
 API_KEY = "engine-death"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+START_TIMEOUT_S = 600
 
 
 def engine_pid(server_pid: int) -> int:
@@ -67,14 +62,13 @@ def wait_for(condition, timeout_s: float, interval_s: float = 0.01) -> float | N
 
 def run_once(server_flags: list[str], log_dir: str) -> dict[str, float | int | None]:
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    log = open(os.path.join(log_dir, f"server-{port}.log"), "w")
-    server = subprocess.Popen([sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", "--port", str(port),
-                               "--api-key", API_KEY, *server_flags], stdout=log, stderr=subprocess.STDOUT)
+    service = Service([sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", "--api-key", API_KEY,
+                       *server_flags], os.path.join(log_dir, f"server-{port}.log"), port=port, log_mode="w",
+                      start_timeout_s=START_TIMEOUT_S)
+    url, server = service.url, service.popen
     try:
-        if wait_for(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200, 600, 0.5) is None:
-            raise RuntimeError(f"the server did not come up; see {log.name}")
+        service.wait_healthy()
         error_event = threading.Event()
         streaming = threading.Event()
 
@@ -126,13 +120,7 @@ def run_once(server_flags: list[str], log_dir: str) -> dict[str, float | int | N
             result["exit_code"] = server.poll()
         return result
     finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-        log.close()
+        service.stop()
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ Run it with
 
     .venv/bin/python benchmarks/engine_speed.py
     .venv/bin/python benchmarks/engine_speed.py --skip-transformers --json speed.json
+    .venv/bin/python benchmarks/engine_speed.py --smoke --model TINY_MODEL   # seconds: does it run?
 
 (a full run takes several minutes on a 2-core machine).
 """
@@ -53,10 +54,11 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
+from support import add_model_flag, add_smoke_flag, gemm_peak_gflop_s  # benchmarks/support.py
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from chunkserve import LLM, RequestOutput, SamplingParams
-from chunkserve.config.model import default_model_path
+from chunkserve.config.model import resolve_model
 from chunkserve.core.sched.output import ForwardMode
 from chunkserve.model.config import ModelConfig
 
@@ -128,8 +130,8 @@ def plan_engine_jobs(chunk_budgets: list[int]) -> list[EngineJob]:
     return jobs
 
 
-def load_engine(engine_args: dict[str, Any], rng: np.random.Generator) -> LLM:
-    llm = LLM(kv_cache_memory_gb=KV_CACHE_GB, **engine_args)
+def load_engine(model: str | None, engine_args: dict[str, Any], rng: np.random.Generator) -> LLM:
+    llm = LLM(model, kv_cache_memory_gb=KV_CACHE_GB, **engine_args)
     llm.generate(random_prompts(rng, 1, WARMUP_PROMPT_LEN), greedy(WARMUP_OUTPUT_LEN), use_tqdm=False)
     return llm
 
@@ -156,26 +158,6 @@ def prefill_gflop(config: ModelConfig, prompt_len: int) -> float:
     return (config.num_layers * (prompt_len * linear_per_token + attention) + lm_head) / 1e9
 
 
-def gemm_peak_gflop_s(repeats: int) -> float:
-    """fp32 GEMM throughput here and now: the best of `repeats` 2048^3 matmuls."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
-    return 2 * 2048**3 / best / 1e9
-
-
-def memory_read_gb_s(repeats: int) -> float:
-    """Streaming read rate here and now: the best of `repeats` sums over 1 GiB of float32."""
-    data = torch.ones(1 << 28)
-    best = min(_timed(data.sum) for _ in range(repeats))
-    return data.numel() * data.element_size() / best / 1e9
-
-
-def _timed(run: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
-
-
 def ours_decode_tok_s(llm: LLM, batch: int, steps: int, rng: np.random.Generator) -> float:
     """batch / the median duration of the pure-decode steps that ran the whole batch."""
     first = len(llm.get_step_records())
@@ -197,12 +179,12 @@ def step_until_done(llm: LLM, finished: dict[str, RequestOutput], max_steps: int
         taken += 1
 
 
-def ours_interference(llm: LLM, label: str, long_len: int, rng: np.random.Generator) -> dict[str, Any]:
+def ours_interference(llm: LLM, label: str, long_len: int, output_len: int, rng: np.random.Generator) -> dict[str, Any]:
     """Decoders' inter-token gaps while a long prompt arrives mid-decode."""
     decoders = [f"bench-{label}-decode-{i}" for i in range(INTERFERENCE_DECODERS)]
     long_id = f"bench-{label}-long"
     for request_id, prompt in zip(decoders, random_prompts(rng, len(decoders), INTERFERENCE_PROMPT_LEN)):
-        llm.engine.add_request(request_id, prompt, greedy(INTERFERENCE_OUTPUT_LEN))
+        llm.engine.add_request(request_id, prompt, greedy(output_len))
     finished: dict[str, RequestOutput] = {}
     step_until_done(llm, finished, max_steps=STEPS_BEFORE_LONG_PROMPT)
     if finished:
@@ -222,12 +204,13 @@ def ours_interference(llm: LLM, label: str, long_len: int, rng: np.random.Genera
 
 def run_engine_job(job: EngineJob, args: argparse.Namespace, rng: np.random.Generator, results: Results) -> None:
     log(f"chunkserve, {job.label}: loading")
-    llm = load_engine(job.engine_args, rng)
+    llm = load_engine(args.model, job.engine_args, rng)
     if job.prefill:
         log(f"chunkserve, {job.label}: prefill")
         results.prefill_gflop = prefill_gflop(llm.engine.engine_core.model_config, args.prefill_len)
         ours_prefill_s(llm, args.prefill_len, rng)  # warm-up
-        runs = [(gemm_peak_gflop_s(3), ours_prefill_s(llm, args.prefill_len, rng)) for _ in range(args.repeats)]
+        runs = [(gemm_peak_gflop_s(3, args.peak_size), ours_prefill_s(llm, args.prefill_len, rng))
+                for _ in range(args.repeats)]
         key = f"chunkserve {job.label}"
         results.prefill_tok_s[key] = args.prefill_len / statistics.median(s for _, s in runs)
         results.gemm_peak_gflop_s[key] = statistics.median(peak for peak, _ in runs)
@@ -239,7 +222,8 @@ def run_engine_job(job: EngineJob, args: argparse.Namespace, rng: np.random.Gene
         }
     if job.interference:
         log(f"chunkserve, {job.label}: interference")
-        results.interference.append(ours_interference(llm, job.label, args.prefill_len, rng))
+        results.interference.append(ours_interference(llm, job.label, args.prefill_len, args.interference_output_len,
+                                                      rng))
 
 
 # ----- transformers --------------------------------------------------------------------------
@@ -256,11 +240,13 @@ class _TokenClock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def load_hf_model() -> Any:
+def load_hf_model(model: str | None) -> Any:
     transformers.utils.logging.disable_progress_bar()
-    path = default_model_path()
+    source = resolve_model(model)
+    if source.kind == "hf":
+        return AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
     return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+        os.path.dirname(source.path), gguf_file=os.path.basename(source.path), dtype=torch.float32
     ).eval()
 
 
@@ -289,7 +275,7 @@ def hf_decode_tok_s(model: Any, batch: int, steps: int, rng: np.random.Generator
 
 def run_transformers(args: argparse.Namespace, rng: np.random.Generator, results: Results) -> None:
     log("transformers: loading")
-    model = load_hf_model()
+    model = load_hf_model(args.model)
     hf_decode_tok_s(model, 1, WARMUP_OUTPUT_LEN, rng)  # warm-up
     log("transformers: prefill")
     seconds = median_of_repeats(lambda: hf_prefill_s(model, args.prefill_len, rng), args.repeats)
@@ -378,7 +364,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-transformers", action="store_true", help="measure chunkserve only")
     parser.add_argument("--repeats", type=int, default=3, help="timed prefill runs; the median is reported")
     parser.add_argument("--json", metavar="FILE", help="also write the results to FILE")
+    add_model_flag(parser)
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
+    args.peak_size, args.interference_output_len = 2048, INTERFERENCE_OUTPUT_LEN  # the GEMM peak's matrices
+    if args.smoke:
+        args.interference_output_len = 2 * STEPS_BEFORE_LONG_PROMPT
+        args.prefill_len, args.decode_batches, args.decode_steps = 64, [1, 2], 4
+        args.chunk_budgets, args.repeats, args.peak_size = [PREFILL_CHUNK_BUDGET], 1, 256
     if args.decode_steps < 2 or args.repeats < 1 or args.prefill_len < 1:
         parser.error("--decode-steps must be at least 2, --repeats and --prefill-len at least 1")
     return args
@@ -395,12 +388,12 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_transformers:
         run_transformers(args, rng, results)
     print(f"machine: {machine}")
-    print(f"model: {os.path.basename(default_model_path())} (float32)\n")
+    print(f"model: {resolve_model(args.model).name} (float32)\n")
     print(speed_table(results, args.prefill_len) + "\n")
     print(f"prefill efficiency: {results.prefill_gflop:.0f} GFLOP of useful work in a {args.prefill_len}-token prefill")
     print(prefill_efficiency_table(results, args.prefill_len) + "\n")
     print(f"long-prompt interference: {INTERFERENCE_DECODERS} decoders ({INTERFERENCE_PROMPT_LEN}-token prompts, "
-          f"{INTERFERENCE_OUTPUT_LEN} output tokens), a {args.prefill_len}-token prompt arrives after "
+          f"{args.interference_output_len} output tokens), a {args.prefill_len}-token prompt arrives after "
           f"{STEPS_BEFORE_LONG_PROMPT} steps")
     print(interference_table(results))
     if args.json:

@@ -9,7 +9,8 @@ millisecond. It prints the median 8-row decode step of each run. Each torch op o
 releases the GIL and must win it back on its way out, so a busy neighbour thread stalls
 the step; a neighbour process only shares the cores.
 
-    .venv/bin/python benchmarks/gil_contention.py [--rounds 3] [--output-len 128]
+    .venv/bin/python benchmarks/gil_contention.py [--rounds 3] [--output-len 128] [--model PATH]
+    .venv/bin/python benchmarks/gil_contention.py --smoke --model TINY_MODEL   # seconds: does it run?
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from support import add_model_flag, add_smoke_flag  # benchmarks/support.py
 
 from chunkserve import SamplingParams
 from chunkserve.config import EngineArgs
@@ -63,8 +66,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--output-len", type=int, default=128)
+    add_model_flag(parser)
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    engine = LLMEngine(EngineArgs(kv_cache_memory_gb=1, max_num_batched_tokens=256))
+    if args.smoke:
+        args.rounds, args.streams, args.output_len = 1, 2, 8
+    engine = LLMEngine(EngineArgs(model=args.model, kv_cache_memory_gb=0.25 if args.smoke else 1,
+                                  max_num_batched_tokens=256))
     decode_step_ms(engine, "alone", args.streams, 16)  # warm-up
     results: dict[str, list[float]] = {mode: [] for mode in MODES}
     print(f"| round | {' | '.join(MODES)} |")

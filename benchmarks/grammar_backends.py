@@ -43,6 +43,10 @@ The libraries need not be installed in the venv:
     PYTHONPATH=/tmp/glibs .venv/bin/python benchmarks/grammar_backends.py [--walks 10]
 
 (about 2 minutes on a 2-core machine, most of it torch.compile of llguidance's kernel).
+
+    .venv/bin/python benchmarks/grammar_backends.py --smoke --model TINY_MODEL   # seconds: does it run?
+
+(`--smoke`: the installed backends only, one workload, one short walk, no apply table.)
 """
 
 from __future__ import annotations
@@ -67,120 +71,9 @@ import torch
 
 from chunkserve.config.model import resolve_model
 from chunkserve.engine.tokenizer import load_tokenizer
+from support import (  # benchmarks/support.py
+    EMAIL_REGEX, NESTED_SCHEMA, SMALL_SCHEMA, TOOL_SCHEMA, add_model_flag, add_smoke_flag)
 
-_ADDRESS = {
-    "type": "object",
-    "properties": {
-        "street": {"type": "string"},
-        "city": {"type": "string"},
-        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-        "country": {"enum": ["US", "CA", "MX"]},
-    },
-    "required": ["city", "country"],
-    "additionalProperties": False,
-}
-SMALL_SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-NESTED_SCHEMA = {  # 31 properties, $ref, enums, arrays of objects, nested required fields
-    "$defs": {"address": _ADDRESS},
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer"},
-        "status": {"enum": ["pending", "shipped", "delivered", "cancelled"]},
-        "priority": {"enum": ["low", "medium", "high"]},
-        "customer": {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string"},
-                "email": {"type": "string"},
-                "phone": {"type": "string"},
-                "vip": {"type": "boolean"},
-                "address": {"$ref": "#/$defs/address"},
-            },
-            "required": ["name", "address"],
-            "additionalProperties": False,
-        },
-        "items": {
-            "type": "array",
-            "minItems": 1,
-            "maxItems": 3,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "sku": {"type": "string"},
-                    "qty": {"type": "integer"},
-                    "price": {"type": "number"},
-                    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
-                },
-                "required": ["sku", "qty"],
-                "additionalProperties": False,
-            },
-        },
-        "billing": {"$ref": "#/$defs/address"},
-        "notes": {"type": "string"},
-        "gift": {"type": "boolean"},
-        "total": {"type": "number"},
-        "currency": {"enum": ["USD", "EUR"]},
-        "metadata": {
-            "type": "object",
-            "properties": {
-                "source": {"type": "string"},
-                "campaign": {"type": "string"},
-                "created_at": {"type": "string", "format": "date-time"},
-            },
-            "required": ["source"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["id", "status", "customer", "items"],
-    "additionalProperties": False,
-}
-TOOL_SCHEMA = {  # OpenAI function parameters, strict style: every property required
-    "type": "object",
-    "properties": {
-        "location": {"type": "string", "description": "City and country"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 14},
-        "include_hourly": {"type": "boolean"},
-        "coordinates": {
-            "anyOf": [
-                {"type": "null"},
-                {
-                    "type": "object",
-                    "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
-                    "required": ["lat", "lon"],
-                    "additionalProperties": False,
-                },
-            ]
-        },
-        "alert": {
-            "oneOf": [
-                {
-                    "type": "object",
-                    "properties": {"kind": {"const": "email"}, "address": {"type": "string"}},
-                    "required": ["kind", "address"],
-                    "additionalProperties": False,
-                },
-                {
-                    "type": "object",
-                    "properties": {
-                        "kind": {"const": "sms"},
-                        "number": {"type": "string", "pattern": "^\\+?[0-9]{7,15}$"},
-                    },
-                    "required": ["kind", "number"],
-                    "additionalProperties": False,
-                },
-            ]
-        },
-    },
-    "required": ["location", "unit", "days", "include_hourly", "coordinates", "alert"],
-    "additionalProperties": False,
-}
-EMAIL_REGEX = r"[a-z0-9._%+-]{1,32}@[a-z0-9-]{1,16}(\.[a-z0-9-]{1,16})*\.[a-z]{2,6}"
 DATETIME_REGEX = (
     r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
     r"(\.[0-9]{1,3})?(Z|[+-][0-9]{2}:[0-9]{2})"
@@ -672,13 +565,21 @@ def main() -> None:
                         help="chance to pick among allowed tokens containing a closing character")
     parser.add_argument("--show-invalid", action="store_true",
                         help="print the completed walks that failed validation")
+    add_model_flag(parser)
+    add_smoke_flag(parser, "the installed backends, one workload, one 8-token walk, no apply table (seconds): "
+                   "does it run?")
     args = parser.parse_args()
+    if args.smoke:
+        args.backends = [name for name in args.backends
+                         if importlib.util.find_spec(BACKENDS[name].modules[0]) is not None]
+        args.workloads, args.walks, args.max_tokens = ["json small"], 1, 8
+        args.compile_reps, args.setup_reps, args.compile_budget_s = 1, 1, 1.0
     torch.set_num_threads(args.torch_threads)
     # an empty inductor cache, so llguidance's kernel compiles as on a fresh host
     inductor_cache = tempfile.TemporaryDirectory(prefix="grammar_backends_inductor_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache.name
 
-    tokenizer = load_tokenizer(resolve_model(None))
+    tokenizer = load_tokenizer(resolve_model(args.model))
     table = token_bytes(tokenizer)
     closer = closer_table(table)
     eos = tokenizer.eos_token_id
@@ -720,6 +621,9 @@ def main() -> None:
             print(row, flush=True)
             invalid += [f"{workload} / {backend.name}: {text!r}" for text in texts]
 
+    if args.smoke:  # the apply kernels' first calls compile for minutes
+        print("\napply kernels: not measured in --smoke")
+        return
     print("\n| backend | apply kernel (float32 logits, 49152) | first calls (s) | 1 row (µs) "
           "| 8 rows (µs) |")
     print("|---|---|---|---|---|")

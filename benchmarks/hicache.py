@@ -20,6 +20,7 @@ same turn on a cold server (no tier), and whether the two outputs are identical.
     .venv/bin/python benchmarks/hicache.py --rounds 2
     .venv/bin/python benchmarks/hicache.py --rounds 1 --only restart
     .venv/bin/python benchmarks/hicache.py --rounds 2 --only preemption
+    .venv/bin/python benchmarks/hicache.py --dry-run     # the servers and workloads, no server
 """
 
 from __future__ import annotations
@@ -28,19 +29,16 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from chunkserve.bench.serve import add_arguments, run_benchmark
+from chunkserve.bench.service import Service
 
 POOL_BLOCKS = "160"  # 2,560 tokens: a few chats' history; the rest is evicted between turns
 SERVER_FLAGS = ["--num-kv-blocks", POOL_BLOCKS, "--max-num-batched-tokens", "256"]
@@ -62,57 +60,30 @@ WORKLOADS = {
 RESTART_PROMPT_LEN = 2000
 # 12 requests at once, 512-token prompts, 256 output tokens: 48 blocks each, 576 in all, on 160
 PREEMPTION_WORKLOAD = ["--workload", "random", "--num-prompts", "12", "--input-len", "512", "--output-len", "256"]
+STOP_GRACE_S = 120
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_chunkserve(flags: list[str], log_path: str) -> Service:
+    """`chunkserve serve` with `flags`, healthy (stop it with `stop_chunkserve`)."""
+    server = Service([sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", *flags], log_path)
+    try:
+        server.wait_healthy()
+    except RuntimeError:
+        stop_chunkserve(server)
+        raise
+    return server
 
 
-class Server:
-    def __init__(self, flags: list[str], log_path: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        with open(log_path, "a") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", "--port", str(self.port), *flags],
-                stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}; see {log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"the server did not start; see {log_path}")
-
-    def metrics(self) -> dict[str, float]:
-        samples = {}
-        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text):
-            for sample in family.samples:
-                samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-        return samples
-
-    def stop(self) -> None:
-        """SIGTERM (a write_back tier flushes the pool's cached blocks on the way out)."""
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(120)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+def stop_chunkserve(server: Service) -> None:
+    """SIGTERM (a write_back tier flushes the pool's cached blocks on the way out), SIGKILL after 2 minutes."""
+    server.stop(grace_s=STOP_GRACE_S)
 
 
 def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-def run_workload(server: Server, name: str, seed: int) -> dict:
+def run_workload(server: Service, name: str, seed: int) -> dict:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--base-url", server.url, *WORKLOADS[name], "--seed", str(seed)])
@@ -149,13 +120,13 @@ def part_workloads(rounds: int, workdir: str, log_path: str) -> dict:
             flags = [*SERVER_FLAGS, *CONFIGS[label]]
             if CONFIGS[label]:
                 flags += ["--hicache-storage-dir", tier_dir]
-            server = Server(flags, log_path)
+            server = start_chunkserve(flags, log_path)
             try:
                 for workload in WORKLOADS:  # the same prompts in every round and configuration
                     print(f"round {round_index + 1}: {label}, {workload}", file=sys.stderr)
                     rows.setdefault((label, workload), []).append(run_workload(server, workload, seed=7))
             finally:
-                server.stop()
+                stop_chunkserve(server)
                 shutil.rmtree(tier_dir, ignore_errors=True)
     return {key: {column: statistics.median(r[column] for r in values) for column in values[0]}
             for key, values in rows.items()}
@@ -168,7 +139,7 @@ def part_preemption(rounds: int, workdir: str, log_path: str) -> dict[str, dict]
         for label in configs if round_index % 2 == 0 else list(reversed(configs)):
             tier_dir = tempfile.mkdtemp(dir=workdir, prefix="preempt-")
             flags = [*SERVER_FLAGS, *configs[label]] + (["--hicache-storage-dir", tier_dir] if configs[label] else [])
-            server = Server(flags, log_path)
+            server = start_chunkserve(flags, log_path)
             try:
                 print(f"round {round_index + 1}: {label}, preemption", file=sys.stderr)
                 parser = argparse.ArgumentParser()
@@ -178,7 +149,7 @@ def part_preemption(rounds: int, workdir: str, log_path: str) -> dict[str, dict]
                                                           "--seed", "3"]))
                 after = server.metrics()
             finally:
-                server.stop()
+                stop_chunkserve(server)
                 shutil.rmtree(tier_dir, ignore_errors=True)
             summary = result["summary"]
             rows.setdefault(label, []).append({
@@ -214,22 +185,22 @@ def part_restart(rounds: int, workdir: str, log_path: str) -> list[dict]:
         tier_dir = tempfile.mkdtemp(dir=workdir, prefix="restart-")
         flags = [*SERVER_FLAGS, "--enable-hierarchical-cache",
                  "--hicache-write-policy", "write_through", "--hicache-storage-dir", tier_dir]
-        server = Server(flags, log_path)
+        server = start_chunkserve(flags, log_path)
         try:
             answer = generate(server.url, first_turn, 32)["output_ids"]
         finally:
-            server.stop()
+            stop_chunkserve(server)
         second_turn = first_turn + answer + rng.integers(100, 49052, 64).tolist()
-        server = Server(flags, log_path)  # the same folder: a restarted server
+        server = start_chunkserve(flags, log_path)  # the same folder: a restarted server
         try:
             warm = generate(server.url, second_turn, 32)
         finally:
-            server.stop()
-        server = Server(SERVER_FLAGS, log_path)  # cold: no tier
+            stop_chunkserve(server)
+        server = start_chunkserve(SERVER_FLAGS, log_path)  # cold: no tier
         try:
             cold = generate(server.url, second_turn, 32)
         finally:
-            server.stop()
+            stop_chunkserve(server)
         shutil.rmtree(tier_dir, ignore_errors=True)
         results.append({"prompt_tokens": len(second_turn), "warm_ttft_ms": warm["ttft_ms"],
                         "warm_cached_tokens": warm["cached_tokens"], "cold_ttft_ms": cold["ttft_ms"],
@@ -238,13 +209,31 @@ def part_restart(rounds: int, workdir: str, log_path: str) -> list[dict]:
     return results
 
 
+def dry_run() -> None:
+    """What a run starts and sends: every configuration's server flags, every workload's bench flags (parsed)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for label, flags in CONFIGS.items():
+        extra = ["--hicache-storage-dir", "TIER_DIR"] if flags else []
+        print(f"{label}: chunkserve serve {' '.join([*SERVER_FLAGS, *flags, *extra])}")
+    for name, flags in {**WORKLOADS, "preemption": PREEMPTION_WORKLOAD}.items():
+        parser.parse_args(["--base-url", "http://127.0.0.1:1", *flags])
+        print(f"workload {name}: bench serve {' '.join(flags)}")
+    print(f"restart: a {RESTART_PROMPT_LEN}-token chat turn, the server restarted on its tier folder, the next turn")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", choices=("workloads", "restart", "preemption"), default=None)
     parser.add_argument("--workdir", default=None, help="tier folders and the servers' log (default: a temp dir)")
     parser.add_argument("--result-file", default=None)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the servers' flags and check the workloads' flags; start no server")
     args = parser.parse_args()
+    if args.dry_run:
+        dry_run()
+        return
     workdir = args.workdir or tempfile.mkdtemp(prefix="hicache-bench-")
     os.makedirs(workdir, exist_ok=True)
     log_path = os.path.join(workdir, "servers.log")

@@ -4,13 +4,16 @@ times, alternating the two, with `EngineCore.time_synthetic_step`; medians are p
 `--dtype bfloat16` the packed weights are bfloat16 and "off" is the GGUF blocks' C++ kernel at
 every row count: what `BF16_ONEDNN_MIN_ROWS` buys.
 
-    .venv/bin/python benchmarks/onednn_steps.py [--repeats 5] [--dtype bfloat16]
+    .venv/bin/python benchmarks/onednn_steps.py [--repeats 5] [--dtype bfloat16] [--model PATH]
+    .venv/bin/python benchmarks/onednn_steps.py --smoke --model TINY_MODEL   # two small steps, once: does it run?
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+
+from support import add_model_flag, add_smoke_flag  # benchmarks/support.py
 
 from chunkserve.config import EngineArgs
 from chunkserve.engine.llm_engine import LLMEngine
@@ -31,14 +34,19 @@ SHAPES = {
     "8 decodes + a 248-token chunk at context 1024": [(256, 1)] * 8 + [(1024, 248)],
     "a 512-token chunk": [(0, 512)],
 }
+SMOKE_SHAPES = {"2 decodes": [(16, 1)] * 2, "a 16-token chunk": [(0, 16)]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_model_flag(parser)
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    engine = LLMEngine(EngineArgs(kv_cache_memory_gb=1, max_num_batched_tokens=512, dtype=args.dtype))
+    shapes, repeats = (SMOKE_SHAPES, 1) if args.smoke else (SHAPES, args.repeats)
+    engine = LLMEngine(EngineArgs(model=args.model, kv_cache_memory_gb=0.25 if args.smoke else 1,
+                                  max_num_batched_tokens=512, dtype=args.dtype))
     model = engine.engine_core.executor.worker.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
     packed = [layer.packed for layer in layers]
@@ -46,9 +54,9 @@ def main() -> None:
         raise SystemExit("the layers are not packed here (no C++ ops or no oneDNN): nothing to compare")
     print("| step | before | oneDNN | ratio |")
     print("|---|---|---|---|")
-    for name, rows in SHAPES.items():
+    for name, rows in shapes.items():
         times: dict[bool, list[float]] = {True: [], False: []}
-        for repeat in range(args.repeats):
+        for repeat in range(repeats):
             for use_packed in (True, False):
                 for layer, weight in zip(layers, packed):
                     layer.packed = weight if use_packed else None

@@ -22,25 +22,23 @@ same collectives would cost on one GPU node with NCCL is projected from assumed 
 
     .venv/bin/python benchmarks/parallel.py --rounds 2 --out parallel.json
     .venv/bin/python benchmarks/parallel.py --rounds 1 --configs tp1,pp2 --requests 16   # a short check
+    .venv/bin/python benchmarks/parallel.py --smoke --model TINY_MODEL   # seconds: tp1, a few tokens, gloo twice
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
+from support import add_smoke_flag  # benchmarks/support.py
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from chunkserve import LLM, SamplingParams  # noqa: E402
-from chunkserve.bench.host import machine  # noqa: E402
+from chunkserve import LLM, SamplingParams
+from chunkserve.bench.host import machine
+from chunkserve.bench.service import free_port
 
 CONFIGS = {
     "tp1-mini": ("mini", {}),
@@ -99,8 +97,8 @@ def run_config(name: str, model: str | None, flags: dict, args) -> dict:
         for rows in (1, 8):
             prompts = [story[i * 7: i * 7 + 64] for i in range(rows)]
             llm.engine.engine_core.step_records.clear()
-            outputs = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
-                                   use_tqdm=False)
+            outputs = llm.generate(prompts, SamplingParams(max_tokens=args.decode_len, temperature=0.0,
+                                                           ignore_eos=True), use_tqdm=False)
             result[f"decode{rows}_tbt_ms"] = 1000 * median_tbt(outputs)
             decode_steps = [r for r in llm.engine.step_records if r.num_prefill_tokens == 0]
             result[f"decode{rows}_ranks"] = comm_per_step(decode_steps)
@@ -157,9 +155,7 @@ def _collective_rank(rank: int, port: int, iterations: int, out) -> None:
 def gloo_latency(iterations: int) -> dict:
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     context = mp.get_context("spawn")
     out = context.SimpleQueue()
     processes = [context.Process(target=_collective_rank, args=(rank, port, iterations, out)) for rank in (0, 1)]
@@ -195,7 +191,14 @@ def main() -> None:
     parser.add_argument("--nccl-busbw-gbs", type=float, default=450.0,
                         help="assumed NCCL bus bandwidth (H100 NVLink-4)")
     parser.add_argument("--out", help="write every result as JSON here")
+    parser.add_argument("--model", default=None,
+                        help="the model of tp1, tp3 and pp2 (default: the default model, SmolLM2-135M-Instruct)")
+    add_smoke_flag(parser, "tp1 on --model, a few tokens, gloo twice (seconds): does it run?")
     args = parser.parse_args()
+    args.decode_len = 64
+    if args.smoke:
+        args.configs, args.rounds, args.requests, args.prompt_len, args.output_len = "tp1", 1, 2, 16, 4
+        args.decode_len, args.collective_iterations = 4, 2
     names = args.configs.split(",")
     mini = None
     results = []
@@ -206,7 +209,7 @@ def main() -> None:
             order = names if round_index % 2 == 0 else names[::-1]
             for name in order:
                 model, flags = CONFIGS[name]
-                result = run_config(name, mini if model == "mini" else model, flags, args)
+                result = run_config(name, mini if model == "mini" else args.model, flags, args)
                 result["round"] = round_index
                 results.append(result)
                 print(json.dumps(result), flush=True)

@@ -38,6 +38,7 @@ alternate the order (a, b, c, streams-only, then back), and the tables give medi
     # a short check of the script (one round, two 1024-token prompts; about 5 minutes):
     .venv/bin/python benchmarks/pd_interference.py --rounds 1 --long-prompts 2 --long-len 1024 \\
         --long-every 4 --long-start 3 --stream-output-len 128
+    .venv/bin/python benchmarks/pd_interference.py --dry-run     # the processes and flags, nothing started
 """
 
 from __future__ import annotations
@@ -84,37 +85,72 @@ class Deployment:
             process.stop()
 
 
-def deploy(config: str, args: argparse.Namespace, workdir: str, tag: str, running: list[Service]) -> Deployment:
-    """Start `config`'s processes (each registered in `running` at once, for the cleanup) and
-    wait until its entry point answers /health."""
-    log = os.path.join(workdir, f"{tag}.log")
+@dataclass
+class Process:
+    """One process of a configuration: its command (the harness adds --port), cores and threads."""
+
+    role: str
+    command: list[str]
+    cpus: str
+    threads: int
+    port: int
+
+
+def processes(config: str, args: argparse.Namespace, workdir: str, tag: str) -> list[Process]:
+    """`config`'s processes in start order, on ports chosen now (the router is told its instances')."""
     kv = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
-
-    def start(command: list[str], cpus: str, threads: int) -> Service:
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "OMP_WAIT_POLICY": "passive"}
-        service = Service(command, log, cpus, env)
-        running.append(service)
-        return service
-
     if config in ("a", "b"):
         cpus, threads = ("0-1", 2) if config == "a" else ("0", 1)
-        server = start(serve_command(*kv, *BUDGET_FLAGS), cpus, threads)
-        server.wait_healthy()
-        return Deployment([server], server)
-    prefill_trace, decode_trace = (os.path.join(workdir, f"{tag}-{role}-steps.jsonl") for role in ("prefill", "decode"))
-    bootstrap_port = free_port()
-    prefill = start(serve_command(*kv, *BUDGET_FLAGS, "--disaggregation-mode", "prefill",
-                                  "--disaggregation-bootstrap-port", str(bootstrap_port),
-                                  "--trace-steps", prefill_trace), "0", 1)
-    decode = start(serve_command(*kv, "--disaggregation-mode", "decode", "--trace-steps", decode_trace), "1", 1)
-    prefill.wait_healthy()
-    decode.wait_healthy()
-    entry = start([sys.executable, "-m", "chunkserve.entrypoints.cli", "router", "--pd-disaggregation",
-                   "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url, "--host", "127.0.0.1",
-                   "--log-level", "warning"], "1", 1)
-    entry.wait_healthy()  # the router answers 503 until it has seen both instances healthy
-    return Deployment([prefill, decode, entry], entry, prefill, decode, prefill_trace, decode_trace)
+        return [Process("server", serve_command(*kv, *BUDGET_FLAGS), cpus, threads, free_port())]
+    prefill_trace, decode_trace = traces(workdir, tag)
+    bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
+    prefill = serve_command(*kv, *BUDGET_FLAGS, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                            str(bootstrap_port), "--trace-steps", prefill_trace)
+    decode = serve_command(*kv, "--disaggregation-mode", "decode", "--trace-steps", decode_trace)
+    router = [sys.executable, "-m", "chunkserve.entrypoints.cli", "router", "--pd-disaggregation",
+              "--prefill", f"http://127.0.0.1:{prefill_port}", str(bootstrap_port),
+              "--decode", f"http://127.0.0.1:{decode_port}", "--host", "127.0.0.1", "--log-level", "warning"]
+    return [Process("prefill", prefill, "0", 1, prefill_port), Process("decode", decode, "1", 1, decode_port),
+            Process("router", router, "1", 1, free_port())]
+
+
+def traces(workdir: str, tag: str) -> tuple[str, str]:
+    return os.path.join(workdir, f"{tag}-prefill-steps.jsonl"), os.path.join(workdir, f"{tag}-decode-steps.jsonl")
+
+
+def deploy(config: str, args: argparse.Namespace, workdir: str, tag: str, running: list[Service]) -> Deployment:
+    """Start `config`'s processes (each registered in `running` at once, for the cleanup) and
+    wait until its entry point answers /health (the router answers 503 until it has seen both
+    instances healthy)."""
+    log = os.path.join(workdir, f"{tag}.log")
+    started: dict[str, Service] = {}
+    for process in processes(config, args, workdir, tag):
+        if process.role == "router":  # after its instances are up
+            started["prefill"].wait_healthy()
+            started["decode"].wait_healthy()
+        env = {**os.environ, "OMP_NUM_THREADS": str(process.threads), "MKL_NUM_THREADS": str(process.threads),
+               "OMP_WAIT_POLICY": "passive"}
+        service = Service(process.command, log, process.cpus, env, port=process.port)
+        running.append(service)
+        started[process.role] = service
+    if "server" in started:
+        started["server"].wait_healthy()
+        return Deployment([started["server"]], started["server"])
+    started["router"].wait_healthy()
+    prefill_trace, decode_trace = traces(workdir, tag)
+    return Deployment([started["prefill"], started["decode"], started["router"]], started["router"],
+                      started["prefill"], started["decode"], prefill_trace, decode_trace)
+
+
+def dry_run(configs: list[str], args: argparse.Namespace) -> None:
+    """Each configuration's processes and the workload's flags (parsed), without starting anything."""
+    for config in configs:
+        print(f"{CONFIGS[config]}:")
+        for process in processes(config, args, "WORKDIR", "TAG"):
+            print(f"  {process.role} (cores {process.cpus}, {process.threads} thread(s)): {' '.join(process.command)} "
+                  f"--port {process.port}")
+        bench = bench_args("http://127.0.0.1:1", args, 0 if config == "c0" else args.long_prompts)
+        print(f"  workload: {bench.workload}, {bench.streams} streams, {bench.long_prompts} long prompts")
 
 
 def bench_args(url: str, args: argparse.Namespace, long_prompts: int) -> argparse.Namespace:
@@ -361,12 +397,17 @@ def main() -> None:
                         help="each server's KV pool: room for every stream and a few long prompts at once")
     parser.add_argument("--workdir", default=None, help="servers' logs and step traces (default: a temp dir)")
     parser.add_argument("--out", default=None, help="the JSON with everything (default: results.json in the workdir)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print each configuration's processes and check the workload's flags; start nothing")
     args = parser.parse_args()
     configs = [c.strip() for c in args.configs.split(",")]
     if set(configs) - {"a", "b", "c"} or not configs:
         parser.error(f"--configs takes a comma-separated subset of a,b,c, got {args.configs!r}")
     if "c" in configs:
         configs.append("c0")
+    if args.dry_run:
+        dry_run(configs, args)
+        return
     if (os.cpu_count() or 0) < 2:
         sys.exit("this benchmark pins processes to cores 0 and 1: it needs 2 cores")
     workdir = args.workdir or tempfile.mkdtemp(prefix="pd-interference-")

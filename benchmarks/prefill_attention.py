@@ -8,7 +8,7 @@ whole, and in 512-token chunks) and Scenario A's 256-token prompts. Each shape r
 paths alternately `--rounds` times; the medians are printed with the rate on the attended
 (query, key) pairs (4 * heads * head_dim FLOPs each: q.k and p.v), and both must agree.
 
-    .venv/bin/python benchmarks/prefill_attention.py [--rounds 7]
+    .venv/bin/python benchmarks/prefill_attention.py [--rounds 7] [--smoke]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import statistics
 
 import numpy as np
 import torch
-from engine_speed import _timed  # benchmarks/, the script's own folder
+from support import add_smoke_flag, timed  # benchmarks/support.py
 
 from chunkserve.attention.paged import paged_attention
 from chunkserve.core.sched.output import ScheduledRequest
@@ -32,12 +32,15 @@ def tables_of(scheduled: list[ScheduledRequest]) -> dict[str, np.ndarray]:
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, POOL_BLOCKS = 9, 3, 64, 16, 1024
 SHAPES = [(256, 0), (2048, 0), (512, 0), (512, 512), (512, 1024), (512, 1536)]  # (chunk tokens, start)
+SMOKE_SHAPES = [(16, 0), (16, 32)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=7)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    rounds = 1 if args.smoke else args.rounds
     ops = build_cpp_ops()
     generator = torch.Generator().manual_seed(0)
     k_cache = torch.randn(POOL_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator)
@@ -48,7 +51,7 @@ def main() -> None:
     print("| chunk (tokens @ start) | torch gather + SDPA ms | C++ in place ms | in place / torch | "
           "GFLOP/s torch | GFLOP/s in place |")
     print("|---|---|---|---|---|---|")
-    for count, start in SHAPES:
+    for count, start in SMOKE_SHAPES if args.smoke else SHAPES:
         table = blocks[: -(-(start + count) // BLOCK_SIZE)]
         scheduled = [ScheduledRequest("r", start, count, table, True, True, False)]
         tokens = {"r": [0] * (start + count)}
@@ -60,9 +63,9 @@ def main() -> None:
         outputs = {name: paged_attention(q, k_cache, v_cache, meta, scale) for name, meta in paths.items()}
         torch.testing.assert_close(outputs["in place"], outputs["torch"], rtol=1e-4, atol=1e-4)
         times: dict[str, list[float]] = {name: [] for name in paths}
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for name, meta in paths.items():
-                times[name].append(_timed(lambda: paged_attention(q, k_cache, v_cache, meta, scale)))
+                times[name].append(timed(lambda: paged_attention(q, k_cache, v_cache, meta, scale)))
         medians = {name: statistics.median(samples) for name, samples in times.items()}
         flop = 4 * HEADS * HEAD_DIM * chunk_attention(start, count)
         print(f"| {count} @ {start} | {medians['torch'] * 1e3:.2f} | {medians['in place'] * 1e3:.2f} | "

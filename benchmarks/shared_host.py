@@ -23,6 +23,7 @@ the rest of a shared host's work does not compete with them while they are measu
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/shared_host.py --rounds 2 --autogroup-nice -10 \\
         --variant "before /work/wt-base" --variant "after ." --out shared_host.json
+    .venv/bin/python benchmarks/shared_host.py --variant "after ." --dry-run    # the commands, nothing started
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import httpx
 
 from chunkserve.bench.host import machine
 from chunkserve.bench.serve import add_arguments, run_benchmark
-from chunkserve.bench.service import Service, serve_command
+from chunkserve.bench.service import Service, serve_command, stop_process_group
 
 CASES = ("alone", "busy", "engine")
 NEIGHBOUR_STREAMS = 8
@@ -93,7 +94,7 @@ def running_requests(service: Service) -> float:
     return service.metrics().get("chunkserve:num_requests_running", 0.0)
 
 
-def start_server(variant: Variant, log_path: str, args: argparse.Namespace) -> Service:
+def start_variant(variant: Variant, log_path: str, args: argparse.Namespace) -> Service:
     separate = args.sessions == "separate"
     server = Service(serve_command(*variant.flags), log_path, env=variant.environment(), cwd=variant.checkout,
                      new_session=separate)
@@ -111,7 +112,7 @@ def set_autogroup_nice(pid: int | str, nice: int | None) -> None:
 
 def start_neighbour(variant: Variant, log_path: str, args: argparse.Namespace) -> tuple[Service, subprocess.Popen]:
     """A second server of `variant`, decoding NEIGHBOUR_STREAMS streams once this returns."""
-    neighbour = start_server(variant, log_path, args)
+    neighbour = start_variant(variant, log_path, args)
     neighbour.wait_healthy()
     with open(log_path, "a") as log:
         load = subprocess.Popen(
@@ -125,12 +126,6 @@ def start_neighbour(variant: Variant, log_path: str, args: argparse.Namespace) -
             raise RuntimeError(f"the neighbour never ran {NEIGHBOUR_STREAMS} streams; see {log_path}")
         time.sleep(POLL_S)
     return neighbour, load
-
-
-def stop_process(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
 
 
 def measure_case(case: str, server: Service, variant: Variant, args: argparse.Namespace, seed: int,
@@ -149,7 +144,7 @@ def measure_case(case: str, server: Service, variant: Variant, args: argparse.Na
         try:
             return {"tbt_p50_ms": decode_one_tbt_ms(server.url, args, seed)}
         finally:
-            stop_process(busy)
+            stop_process_group(busy, grace_s=0)
     neighbour, load = start_neighbour(variant, log_path, args)
     try:
         tokens, start = neighbour.metrics().get(GENERATED, 0.0), time.monotonic()
@@ -157,13 +152,13 @@ def measure_case(case: str, server: Service, variant: Variant, args: argparse.Na
         rate = (neighbour.metrics().get(GENERATED, 0.0) - tokens) / (time.monotonic() - start)
         return {"tbt_p50_ms": tbt, "neighbour_tok_s": rate}
     finally:
-        stop_process(load)
+        stop_process_group(load, grace_s=0)
         neighbour.stop()
 
 
 def run_variant(variant: Variant, args: argparse.Namespace, round_index: int, workdir: str) -> dict[str, dict]:
     log_path = os.path.join(workdir, f"{variant.label}-{round_index}.log")
-    server = start_server(variant, log_path, args)
+    server = start_variant(variant, log_path, args)
     try:
         server.wait_healthy()
         info = httpx.get(f"{server.url}/get_server_info", timeout=10).json()
@@ -194,9 +189,17 @@ def main() -> None:
     parser.add_argument("--autogroup-nice", type=int, default=None,
                         help="nice of the benchmark's autogroups: -10 keeps the host's other work from taking the "
                              "cores while it measures")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print each variant's server command and environment; start nothing")
     args = parser.parse_args()
     if unknown := set(args.cases) - set(CASES):
         parser.error(f"unknown cases {sorted(unknown)}; known: {CASES}")
+    if args.dry_run:
+        for variant in args.variant:
+            extra = {key: value for key, value in variant.environment().items() if os.environ.get(key) != value}
+            print(f"{variant.label}: in {variant.checkout}, {extra}: {' '.join(serve_command(*variant.flags))}")
+        print(f"cases {', '.join(args.cases)}; {args.rounds} rounds, {args.sessions} sessions")
+        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the servers' clean-up
     set_autogroup_nice("self", args.autogroup_nice)
     rows = []

@@ -10,6 +10,7 @@ oneDNN on float32 weights reordered for it at load. This is how the row ranges i
 chunkserve/ops/cpp_ops.py were chosen. Weights are random: only shapes matter here.
 
     .venv/bin/python benchmarks/small_batch_linear.py [--rows 1 8 16 32 64] [--repeats 5] [--cpu-isa avx2]
+    .venv/bin/python benchmarks/small_batch_linear.py --smoke   # the o shape, 2 layers, 1 and 4 rows: does it run?
 
 `--cpu-isa` runs the C++ kernels with another instruction set the CPU has (default: its best;
 the AVX-512 block kernel reads the blocks in registers, the AVX2 one through an L1 buffer).
@@ -25,6 +26,8 @@ from collections.abc import Callable
 import gguf
 import torch
 import torch.nn.functional as F
+
+from support import add_smoke_flag  # benchmarks/support.py
 
 from chunkserve.ops.cpp_ops import build_cpp_ops, onednn_linear, pack_for_onednn
 
@@ -48,14 +51,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48, 64])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cpu-isa", choices=["avx512", "avx2", "portable"], default=None)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    shapes, layers = (SHAPES, LAYERS) if not args.smoke else ({"o": SHAPES["o"]}, 2)
+    if args.smoke:
+        args.rows, args.repeats = [1, 4], 1
     ops = build_cpp_ops()
     if args.cpu_isa:
         ops.set_cpu_isa(args.cpu_isa)
     print(f"C++ kernels: {ops.cpu_isa()}")
     weights, blocks, packed = {}, {}, {}
-    for name, shape in SHAPES.items():
-        copies = 1 if name == "lm_head" else LAYERS
+    for name, shape in shapes.items():
+        copies = 1 if name == "lm_head" else layers
         weights[name] = [torch.randn(shape) for _ in range(copies)]
         packed[name] = [pack_for_onednn(w) for w in weights[name]]
         block_type = Q8_0 if name == "lm_head" else Q4_1
@@ -67,7 +74,7 @@ def main() -> None:
     for rows in args.rows:
         totals = [0.0] * 5
         per_shape = []
-        for name, shape in SHAPES.items():
+        for name, shape in shapes.items():
             x = torch.randn(rows, shape[1])
             times = [
                 median_ms(lambda: [F.linear(x, w) for w in weights[name]], args.repeats),

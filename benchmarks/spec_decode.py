@@ -29,10 +29,10 @@ Modes: chunkserve (`chunkserve serve --max-num-batched-tokens 512`, OMP_NUM_THRE
 the default model) with speculation `off`, `always` and `auto` ({"method": "ngram",
 "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, "policy": ...}; auto
 drafts only while the step-time model says drafts pay); vLLM's CPU build via
-/work/peers/start_vllm_spec.sh (`vllm-off`, `vllm-ngram` with the same k and lookup bounds, the
-same --max-num-batched-tokens). One fresh server per mode and round runs every workload x streams
-after a warm-up; chunkserve's modes alternate their order round by round, then vLLM's run
-(--vllm-rounds, default --rounds: each start takes ~4 minutes here).
+benchmarks/peers/start_vllm.sh (`vllm-off`, `vllm-ngram`: `--speculative-config` with method ngram
+and the same k and lookup bounds; the same --max-num-batched-tokens). One fresh server per mode
+and round runs every workload x streams after a warm-up; chunkserve's modes alternate their order
+round by round, then vLLM's run (--vllm-rounds, default --rounds: each start takes ~4 minutes here).
 
 Per (mode, workload, streams): output tok/s (completion tokens / the run's wall time), TPOT p50/p99
 over requests ((last token time - first) / (completion tokens - 1): with drafts one stream event
@@ -47,13 +47,13 @@ once (48 tokens, greedy): each mode's answers are compared with its system's `of
     .venv/bin/python benchmarks/spec_decode.py --rounds 3 --vllm-rounds 1 --out spec_decode.json
     .venv/bin/python benchmarks/spec_decode.py --modes off,always,auto --streams 1,2 \\
         --requests-per-stream 1 --max-output-len 16 --out /tmp/spec_smoke.json     # a short check
+    .venv/bin/python benchmarks/spec_decode.py --dry-run     # the workloads and the plan, no server
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import importlib
 import inspect
 import json
@@ -61,9 +61,7 @@ import math
 import os
 import platform
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -71,25 +69,21 @@ from dataclasses import dataclass
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
+from support import VLLM_SCRIPT, peer_missing  # benchmarks/support.py
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from chunkserve.bench.client import RequestResult, run_requests  # noqa: E402
-from chunkserve.bench.host import machine  # noqa: E402
-from chunkserve.bench.metrics import ms_distribution, summarize  # noqa: E402
-from chunkserve.bench.workloads import RequestSpec, build_workload, sharegpt_like_params  # noqa: E402
+from chunkserve.bench.client import RequestResult, run_requests
+from chunkserve.bench.host import machine
+from chunkserve.bench.metrics import ms_distribution, summarize
+from chunkserve.bench.service import Service, stop_all
+from chunkserve.bench.workloads import RequestSpec, build_workload, sharegpt_like_params
 
 CHUNKSERVE_MODES = ("off", "always", "auto")
 VLLM_MODES = {"vllm-off": "off", "vllm-ngram": "ngram"}
 ALL_MODES = (*CHUNKSERVE_MODES, *VLLM_MODES)
 WORKLOADS = ("high-overlap", "sharegpt-like", "chat")
-VLLM_SCRIPT = "/work/peers/start_vllm_spec.sh"
 CHUNKSERVE_START_TIMEOUT_S = 300
 VLLM_START_TIMEOUT_S = 900
-STOP_TIMEOUT_S = 60
-PORT_FREE_TIMEOUT_S = 60
 
 # high-overlap: passages of PASSAGE_TOKENS, answers of OUTPUT_CLIP tokens
 STDLIB_MODULES = (
@@ -228,7 +222,7 @@ def build_workloads(args: argparse.Namespace, streams_list: list[int]) -> Worklo
     from chunkserve.config.model import resolve_model
     from chunkserve.engine.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(resolve_model(None))
+    tokenizer = load_tokenizer(resolve_model(args.model))
     counts = [requests_for(s, args) for s in streams_list]
     extra = max(streams_list) + args.check_outputs  # the warm-up burst and the check: prompts of their own
     passages = stdlib_passages(tokenizer)
@@ -276,62 +270,20 @@ def build_workloads(args: argparse.Namespace, streams_list: list[int]) -> Worklo
 
 # ----- servers -------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(Service):
+    """One mode's server (the harness's Service, in its own process group: its engine processes
+    go with it), with the speculative-decoding counters the runs read."""
 
-
-def port_is_free(port: int) -> bool:
-    """Nothing listens on it (SO_REUSEADDR: a closed server's TIME_WAIT connections don't count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-class Server:
-    """A server process in its own process group (its engine processes go with it)."""
-
-    def __init__(self, mode: str, command: list[str], port: int, log_path: str, metric_prefix: str,
+    def __init__(self, mode: str, command: list[str], log_path: str, metric_prefix: str,
                  start_timeout_s: float) -> None:
-        self.mode, self.port, self.log_path, self.prefix = mode, port, log_path, metric_prefix
-        self.url = f"http://127.0.0.1:{port}"
-        self.start_timeout_s = start_timeout_s
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-        with open(log_path, "a") as log:
-            log.write(f"\n===== {mode}: {' '.join(command)}\n")
-            log.flush()
-            self.popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True)
-        RUNNING.append(self)
-
-    def wait_healthy(self) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < self.start_timeout_s:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.mode}: the server exited with {self.popen.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return time.monotonic() - start
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.mode}: not healthy within {self.start_timeout_s:.0f} s; see {self.log_path}")
+        super().__init__(command, log_path, env=env, label=mode, start_timeout_s=start_timeout_s)
+        self.mode, self.prefix = mode, metric_prefix
 
     def spec_counters(self) -> dict[str, float]:
-        names = {f"{self.prefix}:spec_decode_num_{key}_total": key for key in ("drafts", "draft_tokens",
-                                                                                 "accepted_tokens")}
-        totals = {key: 0.0 for key in names.values()}
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in names:
-                    totals[names[sample.name]] += sample.value
-        return totals
+        metrics = self.metrics()
+        return {key: metrics.get(f"{self.prefix}:spec_decode_num_{key}_total", 0.0)
+                for key in ("drafts", "draft_tokens", "accepted_tokens")}
 
     def settled_counters(self) -> dict[str, float]:
         """The counters once two reads 0.3 s apart agree (a server may count a step after its last token)."""
@@ -344,43 +296,6 @@ class Server:
             last = now
         return last
 
-    def stop(self) -> None:
-        """SIGTERM to the group, SIGKILL to what is left, then wait until the port is free."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            self.popen.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.popen.wait()
-        deadline = time.monotonic() + PORT_FREE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.popen.pid, 0)  # a member of the group still running (or not yet reaped)
-            except ProcessLookupError:
-                if port_is_free(self.port):
-                    break
-            time.sleep(0.2)
-        else:
-            print(f"warning: {self.mode}: port {self.port} or process group {self.popen.pid} still busy",
-                  file=sys.stderr)
-        if self in RUNNING:
-            RUNNING.remove(self)
-
-
-RUNNING: list[Server] = []  # every server started and not yet stopped
-
-
-def stop_all() -> None:
-    for server in reversed(list(RUNNING)):
-        server.stop()
-
 
 def spec_config(args: argparse.Namespace, policy: str) -> dict:
     return {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
@@ -388,22 +303,27 @@ def spec_config(args: argparse.Namespace, policy: str) -> dict:
             "policy": policy}
 
 
-def start_server(mode: str, args: argparse.Namespace, log_path: str) -> Server:
-    port = free_port()
+def server_command(mode: str, args: argparse.Namespace) -> list[str]:
+    """The mode's start command; the harness gives it its port (`--port`, or vLLM's `{port}`)."""
     budget = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if mode in CHUNKSERVE_MODES:
-        command = [sys.executable, "-m", "chunkserve", "serve", "--host", "127.0.0.1", "--port", str(port), *budget]
+        command = [sys.executable, "-m", "chunkserve", "serve", "--host", "127.0.0.1", *budget]
+        if args.model:
+            command += ["--model", args.model]
         if mode != "off":
             command += ["--speculative-config", json.dumps(spec_config(args, mode))]
-        command += args.server_arg
-        server = Server(mode, command, port, log_path, "chunkserve", CHUNKSERVE_START_TIMEOUT_S)
-    else:
-        env_spec = {"SPEC_K": args.num_speculative_tokens, "SPEC_MIN": args.prompt_lookup_min,
-                    "SPEC_MAX": args.prompt_lookup_max}
-        os.environ.update({k: str(v) for k, v in env_spec.items()})  # read by the script (ngram only)
-        command = ["bash", args.vllm_script, VLLM_MODES[mode], str(port), *budget]
-        server = Server(mode, command, port, log_path, "vllm", VLLM_START_TIMEOUT_S)
-    return server
+        return command + args.server_arg
+    command = ["bash", args.vllm_script, "{port}", *budget]
+    if VLLM_MODES[mode] == "ngram":  # vLLM's n-gram proposer with the same k and lookup bounds
+        ngram = {key: value for key, value in spec_config(args, "").items() if key != "policy"}
+        command += ["--speculative-config", json.dumps(ngram)]
+    return command
+
+
+def start_mode(mode: str, args: argparse.Namespace, log_path: str) -> Server:
+    if mode in CHUNKSERVE_MODES:
+        return Server(mode, server_command(mode, args), log_path, "chunkserve", CHUNKSERVE_START_TIMEOUT_S)
+    return Server(mode, server_command(mode, args), log_path, "vllm", VLLM_START_TIMEOUT_S)
 
 
 # ----- runs ----------------------------------------------------------------------------------
@@ -568,7 +488,12 @@ def main() -> None:
                         help="high-overlap prompts answered once per server and compared with `off`'s answers")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="an extra flag for every chunkserve server (repeat it; use --server-arg=--flag)")
-    parser.add_argument("--vllm-script", default=VLLM_SCRIPT)
+    parser.add_argument("--vllm-script", default=VLLM_SCRIPT, help="starts vLLM: PORT [vLLM flags...]")
+    parser.add_argument("--model", default=None,
+                        help="chunkserve's model and the prompts' tokenizer (default: the default model; vLLM serves "
+                             "its own, benchmarks/peers/)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build the workloads, print the plan and the servers' commands; start no server")
     parser.add_argument("--workdir", default=None, help="the servers' log (default: a temp dir)")
     parser.add_argument("--save-requests", action="store_true", help="keep every request's timings in --out")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -581,12 +506,13 @@ def main() -> None:
     if args.vllm_rounds is None:
         args.vllm_rounds = args.rounds
     streams_list = [int(s) for s in csv_list(args.streams)]
-    if any(m in VLLM_MODES for m in args.modes) and not os.path.isfile(args.vllm_script):
-        print(f"skipping {', '.join(m for m in args.modes if m in VLLM_MODES)}: no {args.vllm_script}",
-              file=sys.stderr)
+    if any(m in VLLM_MODES for m in args.modes) and (missing := peer_missing(args.vllm_script)):
+        print(f"skipping {', '.join(m for m in args.modes if m in VLLM_MODES)}: {missing}", file=sys.stderr)
         args.modes = [m for m in args.modes if m not in VLLM_MODES]
-    workdir = args.workdir or tempfile.mkdtemp(prefix="spec-decode-bench-")
-    os.makedirs(workdir, exist_ok=True)
+    workdir = args.workdir or ("(none: --dry-run)" if args.dry_run
+                               else tempfile.mkdtemp(prefix="spec-decode-bench-"))
+    if not args.dry_run:
+        os.makedirs(workdir, exist_ok=True)
     log_path = os.path.join(workdir, "servers.log")
 
     workloads = build_workloads(args, streams_list)
@@ -595,8 +521,15 @@ def main() -> None:
     print(f"{host['cpu']}, {host['cpus']} cores, AVX-512: {host['avx512_flags'] or 'none'}, commit {host['commit']}; "
           f"server logs in {log_path}", file=sys.stderr)
 
-    atexit.register(stop_all)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally below
+    if args.dry_run:
+        for name, runs in workloads.runs.items():
+            print(f"{name}: " + ", ".join(f"{streams} streams: {len(specs)} requests, prompts "
+                                          f"{statistics.mean(len(s.prompt_token_ids) for s in specs):.0f} tokens"
+                                          for streams, specs in runs.items()))
+        for round_index, mode in plan:
+            print(f"round {round_index + 1}: {mode}: {' '.join(server_command(mode, args))}")
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally below (and the harness's atexit)
     results: list[dict] = []
     servers: list[dict] = []
     answers: dict[tuple[str, int], list[str]] = {}
@@ -606,7 +539,7 @@ def main() -> None:
     try:
         for round_index, mode in plan:
             bar.set_description(f"round {round_index + 1}: starting {mode}")
-            server = start_server(mode, args, log_path)
+            server = start_mode(mode, args, log_path)
             try:
                 start_s = server.wait_healthy()
                 bar.set_description(f"round {round_index + 1}: {mode} warm-up")
@@ -629,7 +562,7 @@ def main() -> None:
                         results.append(row)
                         bar.update()
             finally:
-                server.stop()
+                server.stop(wait_port=True)
     except KeyboardInterrupt:  # report what finished (the servers are stopped by then)
         interrupted = True
     finally:

@@ -19,7 +19,8 @@ Both messages come from one real run: the engine core (its scheduler, KV account
 messages) on a simulated executor (no model: the message does not depend on the model's
 numbers), and the real output processor with the default model's tokenizer.
 
-    .venv/bin/python benchmarks/step_message_bytes.py [--logprobs 5]
+    .venv/bin/python benchmarks/step_message_bytes.py [--logprobs 5] [--model PATH]
+    .venv/bin/python benchmarks/step_message_bytes.py --smoke --model TINY_MODEL   # seconds: does it run?
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import dataclasses
 import pickle
 import statistics
 import time
+
+from support import add_model_flag, add_smoke_flag  # benchmarks/support.py
 
 from chunkserve.config import EngineArgs, resolve_model
 from chunkserve.engine.core import EngineCore
@@ -40,6 +43,7 @@ from chunkserve.model.loader import load_model_config
 from chunkserve.sampling_params import SamplingParams
 
 SHAPES = [(192, 64), (3072, 1024)]  # (prompt, output so far): 256 and 4K tokens of history
+SMOKE_SHAPES = [(16, 8)]
 
 
 def pickled(message: object, repeats: int = 5) -> tuple[int, float]:
@@ -107,13 +111,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20, help="decode steps measured per shape")
     parser.add_argument("--logprobs", type=int, default=None, help="each request asks for this many top logprobs")
+    add_model_flag(parser)
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    source = resolve_model(None)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.smoke:
+        args.requests, args.steps = 4, 2
+    source = resolve_model(args.model)
     tokenizer, model_config = load_tokenizer(source), load_model_config(source)
     print(f"{args.requests} requests decoding, logprobs {args.logprobs}; median of {args.steps} decode steps")
     print("| history (prompt + output) | message | before: bytes | before: pickle us | after: bytes | after: pickle us |")
     print("|---|---|---|---|---|---|")
-    for prompt_len, output_len in SHAPES:
+    for prompt_len, output_len in shapes:
         result = measure(tokenizer, model_config, args.requests, prompt_len, output_len, args.logprobs, args.steps)
         for label, key in (("core -> frontend", ""), ("core -> workers", "workers ")):
             (before_bytes, before_us), (after_bytes, after_us) = result[key + "before"], result[key + "after"]

@@ -12,6 +12,7 @@ chunks down to it costs (the prompt rows a step gives up, on average half an ali
 saves (`--plot`), over the curve's range: step time, and ms per row.
 
     .venv/bin/python benchmarks/step_time_curve.py [--max-rows 2048] [--repeats 3] [--plot docs/img/step_time_curve.png]
+    .venv/bin/python benchmarks/step_time_curve.py --smoke --model TINY_MODEL [--plot /tmp/curve.png]   # seconds
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from support import add_model_flag, add_smoke_flag  # noqa: E402  (benchmarks/support.py)
 from tqdm import tqdm  # noqa: E402
 
 from chunkserve import LLM  # noqa: E402
@@ -41,7 +43,7 @@ def row_counts(max_rows: int) -> list[int]:
 
 def measure(llm: LLM, counts: list[int], repeats: int) -> dict[int, float]:
     engine = llm.engine.engine_core
-    engine.time_synthetic_step([(0, 64)])  # warm-up
+    engine.time_synthetic_step([(0, min(64, max(counts)))])  # warm-up
     times: dict[int, list[float]] = {n: [] for n in counts}
     rng = random.Random(0)
     with tqdm(total=len(counts) * repeats, desc="steps", unit="step") as progress:
@@ -97,8 +99,12 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--plot", default=None, help="save the figure here (png)")
+    add_model_flag(parser)
+    add_smoke_flag(parser, "rows 1 to 16, one round (seconds): does it run?")
     args = parser.parse_args()
-    llm = LLM(max_num_batched_tokens=args.max_rows, kv_cache_memory_gb=0.5, enable_prefix_caching=False)
+    if args.smoke:
+        args.max_rows, args.repeats = 16, 1
+    llm = LLM(args.model, max_num_batched_tokens=args.max_rows, kv_cache_memory_gb=0.5, enable_prefix_caching=False)
     curve = measure(llm, row_counts(args.max_rows), args.repeats)
     print(f"{'rows':>6}{'ms':>9}{'ms/row':>9}")
     for n, ms in sorted(curve.items()):

@@ -59,8 +59,8 @@ a random quarter of the vocabulary), the cases alternating call by call, --sampl
 calls each: the median's growth over no mask is the apply cost per step.
 
 Servers: chunkserve (`chunkserve serve --max-num-batched-tokens 512 --admin-api-key ...`,
-OMP_NUM_THREADS unset, the default model); vLLM's CPU build through /work/peers/start_vllm_spec.sh
-(`off`, same --max-num-batched-tokens; its structured-output backend `auto`: xgrammar, with
+OMP_NUM_THREADS unset, the default model); vLLM's CPU build through benchmarks/peers/start_vllm.sh
+(same --max-num-batched-tokens; its structured-output backend `auto`: xgrammar, with
 guidance for what xgrammar cannot express). One fresh server per system and round; rounds
 alternate the order of the systems and of the N = 0/1/8 runs. If vLLM's constrained requests
 fail, its constrained runs are skipped and the output says why.
@@ -69,20 +69,18 @@ fail, its constrained runs are skipped and the output says why.
     .venv/bin/python benchmarks/structured_outputs.py --rounds 3 --vllm-rounds 1 --out so.json
     .venv/bin/python benchmarks/structured_outputs.py --rounds 1 --max-tokens 32 --requests-per-stream 1 \\
         --systems chunkserve --out /tmp/so_smoke.json                                # a short check
+    .venv/bin/python benchmarks/structured_outputs.py --dry-run --sampler-iterations 2   # the plan, no server
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import json
 import os
 import secrets
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -90,23 +88,17 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
+from support import (  # benchmarks/support.py
+    EMAIL_REGEX, NESTED_SCHEMA, SMALL_SCHEMA, TOOL_SCHEMA, VLLM_SCRIPT, peer_missing)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from chunkserve.bench.host import machine  # noqa: E402
-from grammar_backends import EMAIL_REGEX, NESTED_SCHEMA, SMALL_SCHEMA, TOOL_SCHEMA  # noqa: E402
+from chunkserve.bench.host import machine
+from chunkserve.bench.service import STEPS_FETCHED, Service, stop_all
 
 SYSTEMS = ("chunkserve", "vllm")
-VLLM_SCRIPT = "/work/peers/start_vllm_spec.sh"
 CHUNKSERVE_START_TIMEOUT_S = 300
 VLLM_START_TIMEOUT_S = 900
-STOP_TIMEOUT_S = 60
-PORT_FREE_TIMEOUT_S = 60
 REQUEST_TIMEOUT_S = 600
 SMOLLM2_VOCAB = 49152  # the default model's vocabulary: the sampler measurement's row width
-STEPS_FETCHED = 50_000  # /debug/steps?last=: more than a server's whole life here
 
 PERSON_SCHEMA = {  # the decode runs' schema: 8 properties, every one required, closed
     "type": "object",
@@ -157,69 +149,30 @@ WARMUP_MAX_TOKENS = 16
 
 # ----- servers -------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(Service):
+    """A server of one system (the harness's Service, in its own process group: its engine
+    processes go with it), with what the runs read from it."""
 
-
-def port_is_free(port: int) -> bool:
-    """Nothing listens on it (SO_REUSEADDR: a closed server's TIME_WAIT connections don't count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-class Server:
-    """A server process in its own process group (its engine processes go with it)."""
-
-    def __init__(self, system: str, command: list[str], port: int, log_path: str, start_timeout_s: float,
+    def __init__(self, system: str, command: list[str], log_path: str, start_timeout_s: float,
                  admin_key: str | None = None) -> None:
-        self.system, self.port, self.log_path, self.admin_key = system, port, log_path, admin_key
-        self.url = f"http://127.0.0.1:{port}"
-        self.start_timeout_s = start_timeout_s
-        self.model = ""
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-        with open(log_path, "a") as log:
-            shown = [("ADMIN_KEY" if admin_key and arg == admin_key else arg) for arg in command]
-            log.write(f"\n===== {system}: {' '.join(shown)}\n")
-            log.flush()
-            self.popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True)
-        RUNNING.append(self)
+        super().__init__(command, log_path, env=env, label=system, hide=[admin_key] if admin_key else [],
+                         start_timeout_s=start_timeout_s)
+        self.system, self.admin_key, self.model = system, admin_key, ""
 
     def wait_healthy(self) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < self.start_timeout_s:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.system}: the server exited with {self.popen.returncode}; "
-                                   f"see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    self.model = httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
-                    return time.monotonic() - start
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.system}: not healthy within {self.start_timeout_s:.0f} s; see {self.log_path}")
+        """Seconds to a healthy /health; then the served model's name is known."""
+        seconds = super().wait_healthy()
+        self.model = httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        return seconds
 
     def histograms(self) -> dict[str, float]:
         """chunkserve's structured-output histograms: compile and mask count and sum (zeros for vLLM)."""
-        totals = {"compile_count": 0.0, "compile_sum": 0.0, "mask_count": 0.0, "mask_sum": 0.0}
         if self.system != "chunkserve":
-            return totals
-        names = {f"chunkserve:structured_output_{kind}_seconds_{stat}": f"{kind}_{stat}"
-                 for kind in ("compile", "mask") for stat in ("count", "sum")}
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in names:
-                    totals[names[sample.name]] += sample.value
-        return totals
+            return {f"{kind}_{stat}": 0.0 for kind in ("compile", "mask") for stat in ("count", "sum")}
+        metrics = self.metrics()
+        return {f"{kind}_{stat}": metrics.get(f"chunkserve:structured_output_{kind}_seconds_{stat}", 0.0)
+                for kind in ("compile", "mask") for stat in ("count", "sum")}
 
     def settled_histograms(self) -> dict[str, float]:
         """The histograms once two reads 0.3 s apart agree (a step's record may follow its last token)."""
@@ -232,66 +185,30 @@ class Server:
             last = now
         return last
 
-    def steps(self, since: float, until: float) -> list[dict]:
+    def steps_between(self, since: float, until: float) -> list[dict]:
         """chunkserve's step records that started in [since, until] (wall clock); [] for vLLM."""
         if self.system != "chunkserve":
             return []
-        response = httpx.get(f"{self.url}/debug/steps", params={"last": STEPS_FETCHED}, timeout=120,
-                             headers={"Authorization": f"Bearer {self.admin_key}"})
-        response.raise_for_status()
-        records = response.json()["steps"]
+        records = self.steps(self.admin_key)
         if len(records) >= STEPS_FETCHED and records[0]["start_time"] > since:
             print(f"warning: {self.system}: /debug/steps did not reach back to the window's start", file=sys.stderr)
         return [r for r in records if since <= r["start_time"] <= until]
 
-    def stop(self) -> None:
-        """SIGTERM to the group, SIGKILL to what is left, then wait until the port is free."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            self.popen.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.popen.wait()
-        deadline = time.monotonic() + PORT_FREE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.popen.pid, 0)  # a member of the group still running (or not yet reaped)
-            except ProcessLookupError:
-                if port_is_free(self.port):
-                    break
-            time.sleep(0.2)
-        else:
-            print(f"warning: {self.system}: port {self.port} or process group {self.popen.pid} still busy",
-                  file=sys.stderr)
-        if self in RUNNING:
-            RUNNING.remove(self)
 
-
-RUNNING: list[Server] = []  # every server started and not yet stopped
-
-
-def stop_all() -> None:
-    for server in reversed(list(RUNNING)):
-        server.stop()
-
-
-def start_server(system: str, args: argparse.Namespace, log_path: str) -> Server:
-    port = free_port()
+def server_command(system: str, args: argparse.Namespace, admin_key: str) -> list[str]:
+    """The system's start command; the harness gives it its port (`--port`, or vLLM's `{port}`)."""
     budget = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if system == "chunkserve":
+        return [sys.executable, "-m", "chunkserve", "serve", "--host", "127.0.0.1", *budget,
+                "--admin-api-key", admin_key, *args.server_arg]
+    return ["bash", args.vllm_script, "{port}", *budget, *args.vllm_arg]
+
+
+def start_system(system: str, args: argparse.Namespace, log_path: str) -> Server:
+    if system == "chunkserve":
         key = secrets.token_hex(16)
-        command = [sys.executable, "-m", "chunkserve", "serve", "--host", "127.0.0.1", "--port", str(port), *budget,
-                   "--admin-api-key", key, *args.server_arg]
-        return Server(system, command, port, log_path, CHUNKSERVE_START_TIMEOUT_S, key)
-    command = ["bash", args.vllm_script, "off", str(port), *budget, *args.vllm_arg]
-    return Server(system, command, port, log_path, VLLM_START_TIMEOUT_S)
+        return Server(system, server_command(system, args, key), log_path, CHUNKSERVE_START_TIMEOUT_S, key)
+    return Server(system, server_command(system, args, ""), log_path, VLLM_START_TIMEOUT_S)
 
 
 # ----- requests ------------------------------------------------------------------------------
@@ -430,7 +347,7 @@ def measure_compiles(server: Server, args: argparse.Namespace) -> list[dict]:
             start = time.time()
             result = one_request(server, spec)
             after = server.settled_histograms()
-            steps = server.steps(start, time.time())
+            steps = server.steps_between(start, time.time())
             rows.append({
                 "case": name, "phase": phase, "ok": result.ok, "error": result.error,
                 "ttft_ms": 1000 * result.ttft if result.ttft is not None else None,
@@ -546,7 +463,8 @@ def measure_run(server: Server, args: argparse.Namespace, constrained: int, qs: 
         "constrained": class_summary([r for r in results if r.constrained]) if constrained else None,
         "unconstrained": (class_summary([r for r in results if not r.constrained])
                           if constrained < args.streams else None),
-        "steps": step_summary(server.steps(start, end), before, after) if server.system == "chunkserve" else None,
+        "steps": step_summary(server.steps_between(start, end), before, after) if server.system == "chunkserve"
+        else None,
     }
     return row, results
 
@@ -690,6 +608,19 @@ def csv_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def dry_run(args: argparse.Namespace, notes: list[str], sampler_rows: list[dict]) -> None:
+    """What a run would do: its plan and each system's server command (the harness adds the port)."""
+    for note in notes:
+        print(f"note: {note}")
+    if sampler_rows:
+        print_sampler_table(sampler_rows)
+    print(f"\n{len(questions(args))} questions; compile cases: {', '.join(name for name, _, _ in COMPILE_CASES)}")
+    for round_index, system, order in plan(args):
+        print(f"round {round_index + 1}: {system}, constrained streams {order}")
+    for system in args.systems:
+        print(f"{system}: {' '.join(server_command(system, args, 'ADMIN_KEY'))}")
+
+
 def plan(args: argparse.Namespace) -> list[tuple[int, str, list[int]]]:
     """(round, system, the order of its runs): systems in turn, their order and the runs' order
     reversed every other round; vLLM only in its first --vllm-rounds rounds."""
@@ -764,12 +695,14 @@ def main() -> None:
     parser.add_argument("--server-arg", action="append", default=[],
                         help="an extra flag for every chunkserve server (repeat it; use --server-arg=--flag)")
     parser.add_argument("--vllm-arg", action="append", default=[], help="an extra flag for every vLLM server")
-    parser.add_argument("--vllm-script", default=VLLM_SCRIPT)
+    parser.add_argument("--vllm-script", default=VLLM_SCRIPT, help="starts vLLM: PORT [vLLM flags...]")
     parser.add_argument("--workdir", default=None, help="the servers' log (default: a temp dir)")
     parser.add_argument("--save-requests", action="store_true", help="keep every request (times, text) in --out")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--sampler-iterations", type=int, default=400,
                         help="calls per case of the in-process sampler measurement (0 skips it)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the plan and the servers' commands and measure the sampler; start no server")
     args = parser.parse_args()
     args.systems = csv_list(args.systems)
     args.constrained = [int(k) for k in csv_list(args.constrained)]
@@ -780,13 +713,15 @@ def main() -> None:
     if args.vllm_rounds is None:
         args.vllm_rounds = args.rounds
     notes: list[str] = []
-    if "vllm" in args.systems and not os.path.isfile(args.vllm_script):
-        notes.append(f"vLLM not measured: no {args.vllm_script}")
+    if "vllm" in args.systems and (missing := peer_missing(args.vllm_script)):
+        notes.append(f"vLLM not measured: {missing}")
         args.systems.remove("vllm")
     if "vllm" not in args.systems:
         args.vllm_rounds = 0
-    workdir = args.workdir or tempfile.mkdtemp(prefix="structured-outputs-bench-")
-    os.makedirs(workdir, exist_ok=True)
+    workdir = args.workdir or ("(none: --dry-run)" if args.dry_run
+                               else tempfile.mkdtemp(prefix="structured-outputs-bench-"))
+    if not args.dry_run:
+        os.makedirs(workdir, exist_ok=True)
     log_path = os.path.join(workdir, "servers.log")
     host = machine()
     print(f"{host['cpu']}, {host['cpus']} cores, AVX-512: {host['avx512_flags'] or 'none'}, commit {host['commit']}; "
@@ -794,8 +729,10 @@ def main() -> None:
 
     sampler_rows = sampler_mask_cost(args.streams, SMOLLM2_VOCAB, args.sampler_iterations, args.seed) \
         if args.sampler_iterations else []
-    atexit.register(stop_all)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally below
+    if args.dry_run:
+        dry_run(args, notes, sampler_rows)
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally below (and the harness's atexit)
     qs = questions(args)
     compiles: list[dict] = []
     results: list[dict] = []
@@ -808,7 +745,7 @@ def main() -> None:
     try:
         for position, (round_index, system, order) in enumerate(schedule):
             print(f"[{time.strftime('%H:%M:%S')}] round {round_index + 1}: starting {system}", file=sys.stderr)
-            server = start_server(system, args, log_path)
+            server = start_system(system, args, log_path)
             try:
                 start_s = server.wait_healthy()
                 t0 = time.monotonic()
@@ -852,7 +789,7 @@ def main() -> None:
                                                  "constrained": cls, "question": sample.question,
                                                  "text": sample.text, "finish_reason": sample.finish_reason})
             finally:
-                server.stop()
+                server.stop(wait_port=True)
     except KeyboardInterrupt:
         interrupted = True
     finally:

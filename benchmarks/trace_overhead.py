@@ -7,7 +7,7 @@ file, and prints the cost per step next to the duration of the fastest step our 
 runs (a batch-1 decode step of the default model, about 30-40 ms on 2 cores; see
 docs/benchmarks-log.md).
 
-    .venv/bin/python benchmarks/trace_overhead.py [--steps 20000]
+    .venv/bin/python benchmarks/trace_overhead.py [--steps 20000] [--smoke]
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import os
 import statistics
 import tempfile
 import time
+
+from support import add_smoke_flag  # benchmarks/support.py
 
 from chunkserve.core.sched.output import ForwardMode, SchedulerStats
 from chunkserve.engine.outputs import StepRecord
@@ -43,7 +45,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--steps", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=5)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.repeats = 200, 1
     busy = SchedulerStats(num_running=8, num_waiting=0, num_preempted_waiting=0, num_free_blocks=100,
                           num_blocks=200, num_preemptions_total=0, prefix_cache_queries_total=0,
                           prefix_cache_hits_total=0)

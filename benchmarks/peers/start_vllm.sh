@@ -5,6 +5,7 @@
 # vLLM, e.g. `--dtype float32` (the exact mode) or --max-num-batched-tokens 256.
 #
 #   benchmarks/peers/start_vllm.sh PORT [extra vllm args...]
+#   benchmarks/peers/start_vllm.sh --check     # exit 0 if it could start, else say what is missing
 #
 # It execs the server, so a SIGTERM to this process (group) stops it. Ready when GET /health
 # answers 200 (~95-120 s: torch.compile warm-up). Once the engine has started, its output has a
@@ -12,7 +13,7 @@
 # own config log line, so every run's log names the dtype it measured.
 set -euo pipefail
 if [[ $# -lt 1 ]]; then
-    echo "usage: $0 PORT [extra vllm args...]" >&2; exit 2
+    echo "usage: $0 PORT [extra vllm args...] | --check" >&2; exit 2
 fi
 PORT=$1; shift
 PEERS_DIR=${PEERS_DIR:-/work/peers}
@@ -29,6 +30,7 @@ IOMP=$(find "$VENV" -name libiomp5.so -print -quit)
 [[ -f $TCMALLOC ]] || { echo "missing $TCMALLOC (apt-get install libtcmalloc-minimal4)" >&2; exit 1; }
 [[ -n $IOMP ]] || { echo "no libiomp5.so in $VENV" >&2; exit 1; }
 export LD_PRELOAD="$TCMALLOC:$IOMP${LD_PRELOAD:+:$LD_PRELOAD}"
+[[ $PORT == --check ]] && exit 0
 
 # Bind every core to the worker: by default vLLM reserves one of the two cores and runs ~2x slower.
 NCPU=$(nproc)

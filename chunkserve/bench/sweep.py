@@ -3,7 +3,8 @@ workloads, one summary table.
 
 For each configuration the sweep starts a server (ours, or any command that starts an
 OpenAI-compatible server, e.g. a peer), waits for /health, runs the workloads with
-`bench serve` in-process, searches the capacity, stops the server with SIGTERM, and keeps
+`bench serve` in-process, searches the capacity, stops the server (SIGTERM to its process
+group, SIGKILL after a minute: chunkserve/bench/service.py), and keeps
 every result file (and ours' step traces) in the output folder.
 
 Capacity is Sarathi-Serve's metric: the highest request rate whose P99 TBT stays under
@@ -49,8 +50,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -60,8 +59,8 @@ import httpx
 
 from chunkserve.bench import serve as bench_serve
 from chunkserve.bench.host import machine
+from chunkserve.bench.service import Service
 
-HEALTH_POLL_S = 0.5
 CAPACITY_SEED = 1000
 
 
@@ -152,10 +151,10 @@ def run_config(sweep: SweepConfig, config: ServerConfig) -> None:
     for name in os.listdir(sweep.out_dir):  # an earlier run's files of this configuration
         if name.startswith(config.slug + "."):
             os.remove(os.path.join(sweep.out_dir, name))
-    base_url = f"http://127.0.0.1:{sweep.port}"
     log(f"{config.label}: starting the server")
     with _server(sweep, config) as server:
-        _wait_healthy(base_url, config.startup_timeout_s, server)
+        server.wait_healthy()
+        base_url = server.url
         for name, flags in workload_flags(sweep.workloads).items():
             log(f"{config.label}: workload {name}")
             _bench(base_url, config, flags, config.label, _result_path(sweep, config, name))
@@ -345,47 +344,16 @@ def _capacity(base_url: str, config: ServerConfig, sweep: SweepConfig) -> float:
     return best
 
 
-class _server:
-    """Context manager: the configuration's server process, stopped with SIGTERM on exit."""
-
-    def __init__(self, sweep: SweepConfig, config: ServerConfig) -> None:
-        if config.command:
-            self.command = [part.replace("{port}", str(sweep.port)) for part in config.command]
-        else:
-            trace = os.path.join(sweep.out_dir, f"{config.slug}.steps.jsonl")
-            self.command = [sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", "--port", str(sweep.port),
-                            "--trace-steps", trace, *sweep.server_args, *config.args]
-        self.log_path = os.path.join(sweep.out_dir, f"{config.slug}.server.log")
-
-    def __enter__(self) -> _server:
-        self.log = open(self.log_path, "w")
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.log.close()
-
-
-def _wait_healthy(base_url: str, timeout_s: float, server: _server) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.process.returncode}; see {server.log_path}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(HEALTH_POLL_S)
-    raise RuntimeError(f"{base_url} did not become healthy within {timeout_s:.0f} s")
+def _server(sweep: SweepConfig, config: ServerConfig) -> Service:
+    """The configuration's server process on the sweep's port (its log: `<slug>.server.log`)."""
+    if config.command:
+        command = list(config.command)  # {port} is substituted by Service
+    else:
+        trace = os.path.join(sweep.out_dir, f"{config.slug}.steps.jsonl")
+        command = [sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", "--trace-steps", trace,
+                   *sweep.server_args, *config.args]
+    return Service(command, os.path.join(sweep.out_dir, f"{config.slug}.server.log"), port=sweep.port,
+                   add_port_flag=not config.command, log_mode="w", start_timeout_s=config.startup_timeout_s)
 
 
 def _fmt(value: float | None, fmt: str = "{:.0f}") -> str:

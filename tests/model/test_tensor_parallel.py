@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 
 import gguf
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from chunkserve.bench.service import free_port
 from chunkserve.config.model import resolve_model
 from chunkserve.config.parallel import ParallelConfig
 from chunkserve.core.sched.output import ScheduledRequest
@@ -140,9 +140,7 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[tuple], out_dir
 def run_world(world_size: int, jobs: list[tuple], out_dir) -> list[dict[str, torch.Tensor]]:
     """Run `jobs` (model folder, tp, pp, op backend), one after another, on `world_size` rank
     processes; the logits each gathered, from the one rank that gathered them."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMP_NUM_THREADS", "1")  # read by the ranks' OpenMP (the C++ ops) as they start
         mp.spawn(_rank_main, args=(world_size, port, jobs, str(out_dir)), nprocs=world_size)

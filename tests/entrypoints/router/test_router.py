@@ -8,8 +8,6 @@ in a subprocess. A request's `fake_*` fields tell the fakes how to answer.
 from __future__ import annotations
 
 import asyncio
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,16 +25,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
+from chunkserve.bench.service import Service, free_port
 from chunkserve.entrypoints.cli import main
 
 INTERVAL_S = 0.2  # the routers' --health-check-interval
 MODELS = {"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": "test"}]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def eventually(check: Callable[[], Any], timeout_s: float = 5.0) -> Any:
@@ -161,12 +154,18 @@ async def events(fake: Fake, body: dict):
 
 @dataclass
 class Router:
-    process: subprocess.Popen
-    url: str
-    log_path: str
+    service: Service
+
+    @property
+    def process(self) -> subprocess.Popen:
+        return self.service.popen
+
+    @property
+    def url(self) -> str:
+        return self.service.url
 
     def log(self) -> str:
-        with open(self.log_path) as log:
+        with open(self.service.log_path) as log:
             return log.read()
 
     def post(self, fake_id: str, route: str = "/v1/completions", **fields) -> httpx.Response:
@@ -186,29 +185,19 @@ class Router:
 
 
 def start_router(directory, *flags: str) -> Router:
-    """The real command line; answers /health (200 or 503) when this returns."""
+    """The real command line (the harness adds --port); answers /health (200 or 503) when this returns."""
     port = free_port()
-    log_path = str(directory / f"router-{port}.log")
     command = [sys.executable, "-m", "chunkserve.entrypoints.cli", "router", "--pd-disaggregation",
-               "--port", str(port), "--health-check-interval", str(INTERVAL_S), *flags]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    router = Router(process, f"http://127.0.0.1:{port}", log_path)
-
-    def answering() -> bool:
-        assert process.poll() is None, f"the router exited:\n{router.log()}"
-        try:
-            return router.health().status_code in (200, 503)
-        except httpx.TransportError:
-            return False
-
-    eventually(answering, timeout_s=30)
+               "--health-check-interval", str(INTERVAL_S), *flags]
+    router = Router(Service(command, str(directory / f"router-{port}.log"), port=port, log_mode="w"))
+    router.service.wait_healthy(timeout_s=30, ready=(200, 503), show_log=True)
     return router
 
 
 def stop_router(router: Router) -> None:
-    router.process.send_signal(signal.SIGTERM)
-    assert router.process.wait(timeout=15) == 0, router.log()
+    """SIGTERM (the router's graceful stop), which must end it cleanly within 15 s."""
+    router.service.stop(grace_s=15)
+    assert router.process.returncode == 0, router.log()
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from chunkserve.core.kv.layout import KVLayout
 from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.engine.core import TEST_STEP_DELAY_ENV
 from chunkserve.model.loader import load_model_config
-from tests.server_process import API_KEY, Server, free_port, start_server, stop_server, wait_until_up
+from tests.server_process import API_KEY, Server, free_port, start_command, start_server, stop_server, wait_until_up
 from tests.tiny_model import STEP_DELAY_MS, tiny_server_flags
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -68,36 +68,30 @@ def model(request) -> Model:
 
 @dataclass
 class Router:
-    process: subprocess.Popen
-    base_url: str
+    server: Server  # `chunkserve router` as the harness started it
+
+    @property
+    def process(self) -> subprocess.Popen:
+        return self.server.process
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url
 
     def post(self, path: str, body: dict, **kwargs) -> httpx.Response:
         return httpx.post(self.base_url + path, json=body, headers=HEADERS, timeout=180, **kwargs)
 
 
 def start_router(prefill: Server, bootstrap_port: int, decode: Server, tmp_path_factory, name: str) -> Router:
-    port = free_port()
-    log = open(tmp_path_factory.mktemp(name) / "router.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "chunkserve.entrypoints.cli", "router", "--pd-disaggregation", "--prefill",
-         prefill.base_url, str(bootstrap_port), "--decode", decode.base_url, "--port", str(port),
-         "--health-check-interval", "0.5"], stdout=log, stderr=subprocess.STDOUT)
-    router = Router(process, f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(router.base_url + "/health", timeout=1).status_code == 200:
-                return router
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("the router did not see both instances healthy")
+    """Up once its /health answers 200: it has seen both instances healthy."""
+    return Router(start_command(tmp_path_factory, [
+        sys.executable, "-m", "chunkserve.entrypoints.cli", "router", "--pd-disaggregation", "--prefill",
+        prefill.base_url, str(bootstrap_port), "--decode", decode.base_url, "--health-check-interval", "0.5"],
+        name=name))
 
 
 def stop_router(router: Router) -> None:
-    router.process.terminate()
-    router.process.wait(timeout=30)
+    router.server.service.stop(grace_s=30)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pytest
 
 from chunkserve import LLM, SamplingParams
 from tests.executor.support import tiny_llama
-from tests.server_process import API_KEY, Server, free_port, start_server, wait_until_up
+from tests.server_process import API_KEY, Server, free_port, port_is_free, start_server, wait_until_up
 
 PROMPTS = ["The lighthouse keeper climbed", "Once upon a time", "Ships went by over the grey water and"]
 
@@ -36,16 +36,9 @@ def expected(tiny_dir):
 
 def master_port() -> int:
     """A free port whose next one (the control socket) is free too."""
-    while True:
-        port = free_port()
-        try:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
+    while not port_is_free((port := free_port()) + 1):
+        pass
+    return port
 
 
 def completions(server: Server) -> list[str]:

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from chunkserve.engine.core import TEST_STEP_DELAY_ENV
-from tests.server_process import Server, free_port, stop_server, wait_until_up
+from tests.server_process import Server, start_command, stop_server
 from tests.tiny_model import STEP_DELAY_MS, TINY_SERVER_ENV
 
 KEY = "vllm-style-key"
@@ -31,18 +31,14 @@ KEY = "vllm-style-key"
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory, tiny_gguf):
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("vllm_launch") / "server.log")
     command = [sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", tiny_gguf,
-               "--served-model-name", "gpt-4o-mini", "smollm", "--port", str(port), "--dtype", "float",
+               "--served-model-name", "gpt-4o-mini", "smollm", "--dtype", "float",
                "--max-model-len", "2k", "--gpu-memory-utilization", "0.9", "--enforce-eager", "--trust-remote-code",
                "--disable-log-requests", "--kv-cache-memory-bytes", "256M", "--trust-request-chat-template",
                "--allowed-origins", '["https://app.example"]', "--root-path", "/llm"]
     env = {**os.environ, **TINY_SERVER_ENV, "CHUNKSERVE_API_KEY": "", "VLLM_API_KEY": KEY,
            "CHUNKSERVE_LOG_STATS_INTERVAL": "0.5", TEST_STEP_DELAY_ENV: str(STEP_DELAY_MS)}
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = wait_until_up(Server(process, f"http://127.0.0.1:{port}", log_path))
+    server = start_command(tmp_path_factory, command, name="vllm_launch", env=env)  # (the harness adds --port)
     yield server
     stop_server(server)
 

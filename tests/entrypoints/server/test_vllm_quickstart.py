@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 
 import httpx
@@ -16,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from tests.hostile_server import build_tiny_model
-from tests.server_process import Server, free_port, stop_server, wait_until_up
+from tests.server_process import start_command, stop_server, wait_until_up
 
 MODEL_ID = "Qwen/Qwen2.5-1.5B-Instruct"  # the quick start's model
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -40,16 +39,14 @@ def hub_cache(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def quickstart_server(hub_cache, tmp_path_factory):
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("quickstart") / "server.log")
     env = {**os.environ, "HF_HUB_CACHE": hub_cache, "OMP_NUM_THREADS": "1", "CHUNKSERVE_API_KEY": "",
            "CHUNKSERVE_ADMIN_API_KEY": ""}
     env.pop("VLLM_API_KEY", None)
-    with open(log_path, "w") as log:  # `vllm serve Qwen/Qwen2.5-1.5B-Instruct`
-        process = subprocess.Popen([sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", MODEL_ID,
-                                    "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = wait_until_up(Server(process, f"http://localhost:{port}", log_path))
-    yield server
+    # `vllm serve Qwen/Qwen2.5-1.5B-Instruct` (the harness adds --port)
+    server = start_command(tmp_path_factory, [sys.executable, "-m", "chunkserve.entrypoints.cli", "serve", MODEL_ID],
+                           name="quickstart", env=env, wait=False)
+    server.base_url = f"http://localhost:{server.service.port}"
+    yield wait_until_up(server)
     stop_server(server)
 
 

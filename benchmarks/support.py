@@ -1,0 +1,183 @@
+"""What several scripts in benchmarks/ share: timing helpers, the machine's reference rates,
+the smoke-mode flag and the grammar test cases. The scripts run as `python benchmarks/NAME.py`,
+so this folder is on their path and they import it as `support`; no script imports another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import time
+from collections.abc import Callable
+
+PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers")
+VLLM_SCRIPT = os.path.join(PEERS, "start_vllm.sh")  # PORT [vLLM flags...]: see peers/README.md
+
+SMOKE_HELP = ("a few seconds on the smallest shapes (tests/bench/test_scripts.py runs it): checks that the "
+              "script runs; its numbers mean nothing")
+
+
+def add_smoke_flag(parser: argparse.ArgumentParser, help: str = SMOKE_HELP) -> None:
+    parser.add_argument("--smoke", action="store_true", help=help)
+
+
+def add_model_flag(parser: argparse.ArgumentParser) -> None:
+    """--model: the default model unless given (the smoke test gives a tiny one)."""
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file or Hugging Face folder (default: the default model, SmolLM2-135M-Instruct)")
+
+
+def peer_missing(script: str) -> str | None:
+    """Why the peer start script `script` (benchmarks/peers/) cannot start its server here, or
+    None if it can (`script --check`: its installation is there)."""
+    if not os.path.isfile(script):
+        return f"no {script}"
+    check = subprocess.run(["bash", script, "--check"], capture_output=True, text=True)
+    return None if check.returncode == 0 else (check.stderr.strip() or f"{script} --check failed")
+
+
+# ----- timing -----------------------------------------------------------------------------------
+
+def timed(run: Callable[[], object]) -> float:
+    """Seconds of one call of `run`."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def gemm_peak_gflop_s(repeats: int, size: int = 2048) -> float:
+    """fp32 GEMM throughput here and now: the best of `repeats` size^3 matmuls (2048: the
+    reference every number in docs/benchmarks-log.md is set against)."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    best = min(timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2 * size**3 / best / 1e9
+
+
+def memory_read_gb_s(repeats: int, gib: float = 1.0) -> float:
+    """Streaming read rate here and now: the best of `repeats` sums over `gib` GiB of float32
+    (1 GiB: far beyond any cache)."""
+    import torch
+
+    data = torch.ones(int(gib * (1 << 28)))
+    best = min(timed(data.sum) for _ in range(repeats))
+    return data.numel() * data.element_size() / best / 1e9
+
+
+# ----- grammar cases (grammar_backends.py, structured_outputs.py) -------------------------------
+
+_ADDRESS = {
+    "type": "object",
+    "properties": {
+        "street": {"type": "string"},
+        "city": {"type": "string"},
+        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+        "country": {"enum": ["US", "CA", "MX"]},
+    },
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+NESTED_SCHEMA = {  # 31 properties, $ref, enums, arrays of objects, nested required fields
+    "$defs": {"address": _ADDRESS},
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "status": {"enum": ["pending", "shipped", "delivered", "cancelled"]},
+        "priority": {"enum": ["low", "medium", "high"]},
+        "customer": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "email": {"type": "string"},
+                "phone": {"type": "string"},
+                "vip": {"type": "boolean"},
+                "address": {"$ref": "#/$defs/address"},
+            },
+            "required": ["name", "address"],
+            "additionalProperties": False,
+        },
+        "items": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 3,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string"},
+                    "qty": {"type": "integer"},
+                    "price": {"type": "number"},
+                    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+                },
+                "required": ["sku", "qty"],
+                "additionalProperties": False,
+            },
+        },
+        "billing": {"$ref": "#/$defs/address"},
+        "notes": {"type": "string"},
+        "gift": {"type": "boolean"},
+        "total": {"type": "number"},
+        "currency": {"enum": ["USD", "EUR"]},
+        "metadata": {
+            "type": "object",
+            "properties": {
+                "source": {"type": "string"},
+                "campaign": {"type": "string"},
+                "created_at": {"type": "string", "format": "date-time"},
+            },
+            "required": ["source"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["id", "status", "customer", "items"],
+    "additionalProperties": False,
+}
+TOOL_SCHEMA = {  # OpenAI function parameters, strict style: every property required
+    "type": "object",
+    "properties": {
+        "location": {"type": "string", "description": "City and country"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "include_hourly": {"type": "boolean"},
+        "coordinates": {
+            "anyOf": [
+                {"type": "null"},
+                {
+                    "type": "object",
+                    "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                    "required": ["lat", "lon"],
+                    "additionalProperties": False,
+                },
+            ]
+        },
+        "alert": {
+            "oneOf": [
+                {
+                    "type": "object",
+                    "properties": {"kind": {"const": "email"}, "address": {"type": "string"}},
+                    "required": ["kind", "address"],
+                    "additionalProperties": False,
+                },
+                {
+                    "type": "object",
+                    "properties": {
+                        "kind": {"const": "sms"},
+                        "number": {"type": "string", "pattern": "^\\+?[0-9]{7,15}$"},
+                    },
+                    "required": ["kind", "number"],
+                    "additionalProperties": False,
+                },
+            ]
+        },
+    },
+    "required": ["location", "unit", "days", "include_hourly", "coordinates", "alert"],
+    "additionalProperties": False,
+}
+EMAIL_REGEX = r"[a-z0-9._%+-]{1,32}@[a-z0-9-]{1,16}(\.[a-z0-9-]{1,16})*\.[a-z]{2,6}"
