@@ -25,6 +25,7 @@ model writes them; "auto" calls come whole once the parser has their JSON.
 
 from __future__ import annotations
 
+import abc
 import copy
 import dataclasses
 import json
@@ -166,14 +167,15 @@ class ChatToolCalls:
         return AutoCallStream(self.parser(), self.parallel)
 
 
-class CallStream:
+class CallStream(abc.ABC):
     """One choice's text, as it is generated -> its stream's deltas."""
 
     def __init__(self) -> None:
         self.calls = 0  # calls announced so far
 
+    @abc.abstractmethod
     def feed(self, text: str) -> list[Delta]:
-        raise NotImplementedError
+        """The deltas that this piece of the choice's text decides."""
 
     def finish(self, finish_reason: str | None) -> tuple[list[Delta], str | None]:
         """The rest of the deltas once the choice has finished, and its finish_reason."""

@@ -19,6 +19,7 @@ calls keeps its text exactly.
 
 from __future__ import annotations
 
+import abc
 import json
 import random
 import string
@@ -52,7 +53,7 @@ def random_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Splits a model's text into content and tool calls as it is generated. Subclasses scan
     `self._pending` (text not yet decided) in `_scan`; this class holds back whitespace that
     may only separate content from a call."""
@@ -92,9 +93,9 @@ class ToolParser:
     def new_call_id(cls) -> str:
         return random_tool_call_id()
 
+    @abc.abstractmethod
     def _scan(self, final: bool) -> list[Event]:
         """Consume what can be decided of `self._pending` (all of it when `final`)."""
-        raise NotImplementedError
 
     def _release(self, events: list[Event]) -> list[Event]:
         released: list[Event] = []
