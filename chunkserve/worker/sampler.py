@@ -189,7 +189,8 @@ def _draw_last_tokens(runs: list[list[int]], last_draws: list[tuple[int, int]], 
 def _mask_grammar(logits: torch.Tensor, row_masks: list[np.ndarray | None]) -> None:
     """Every token a row's grammar bitmask leaves out to -inf (bit t of word t // 32: token t
     allowed); rows without a mask are left alone. In place, row by row unless every row has a
-    mask: gathering the masked rows and writing them back cost 7x more at 8 rows of 49,152."""
+    mask: gathering the masked rows and writing them back cost more (measured:
+    docs/benchmarks-log.md, "Costs behind choices in the code")."""
     rows = [row for row, mask in enumerate(row_masks) if mask is not None]
     packed = np.ascontiguousarray(np.stack([row_masks[row] for row in rows]).astype("<i4", copy=False))
     allowed = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
@@ -284,9 +285,9 @@ def _draw(cdf: torch.Tensor, generators: list[torch.Generator | None],
           default_generator: torch.Generator) -> torch.Tensor:
     """One token per row of `cdf` (each row's cumulative probabilities), by inverse CDF: a
     uniform draw per row (from the row's own generator where it has one) located in the row's
-    cumulative sum. One random number per row instead of one per vocab entry: on the CPU,
-    exponential or multinomial noise over a 49K vocab costs ~1.2 ms a row, this ~0.15 ms. The
-    sum is float64: in float32, tokens below ~1e-8 next to a likely one add nothing to it and
+    cumulative sum. One random number per row instead of one per vocab entry (exponential or
+    multinomial noise), which on the CPU is several times cheaper (measured:
+    docs/benchmarks-log.md, "Costs behind choices in the code"). The sum is float64: in float32, tokens below ~1e-8 next to a likely one add nothing to it and
     could never be drawn."""
     totals = cdf[:, -1:]
     uniform = torch.empty(len(generators), 1, dtype=torch.float64)
