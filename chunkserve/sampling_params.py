@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from chunkserve.errors import InvalidRequestError
 
@@ -127,75 +128,91 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def fail(message: str) -> None:
-            raise InvalidRequestError(message, param=message.split(" ", 1)[0])  # messages start with the field
+        """Raises InvalidRequestError for the first field out of its type or range, named as `param`."""
+        self._check_number_types()
+        self._check_lengths()
+        self._check_sampling_ranges()
+        self._check_stopping()
+        self._check_logprobs_and_bias()
+        self._check_token_options()
 
+    def _check_number_types(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value):
-                fail(f"{name} must be a finite number, got {value!r}")
+                _fail(f"{name} must be a finite number, got {value!r}")
         for name in ("top_k", "min_tokens"):
             if not _is_int(getattr(self, name)):
-                fail(f"{name} must be an integer, got {getattr(self, name)!r}")
+                _fail(f"{name} must be an integer, got {getattr(self, name)!r}")
+
+    def _check_lengths(self) -> None:
         if not _is_int(self.n) or self.n < 1:
-            fail(f"n must be at least 1, got {self.n!r}")
+            _fail(f"n must be at least 1, got {self.n!r}")
         if self.best_of is not None and self.best_of != self.n:
-            fail(f"best_of must be None or equal to n ({self.n}), got {self.best_of!r}: vLLM V1 removed best_of; "
-                 "ask for n samples with logprobs and pick by cumulative_logprob instead")
+            _fail(f"best_of must be None or equal to n ({self.n}), got {self.best_of!r}: vLLM V1 removed best_of; "
+                  "ask for n samples with logprobs and pick by cumulative_logprob instead")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            fail(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+            _fail(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+
+    def _check_sampling_ranges(self) -> None:
         if self.temperature < 0:
-            fail(f"temperature must be non-negative, got {self.temperature}")
+            _fail(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            fail(f"top_p must be in (0, 1], got {self.top_p}")
+            _fail(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            fail(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
+            _fail(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
-            fail(f"min_p must be in [0, 1], got {self.min_p}")
+            _fail(f"min_p must be in [0, 1], got {self.min_p}")
         low, high = REPETITION_PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:
-            fail(f"repetition_penalty must be in [{low}, {high}], got {self.repetition_penalty}")
+            _fail(f"repetition_penalty must be in [{low}, {high}], got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            _fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            _fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+
+    def _check_stopping(self) -> None:
         if self.min_tokens < 0:
-            fail(f"min_tokens must be non-negative, got {self.min_tokens}")
+            _fail(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            _fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            fail("stop must be a list of non-empty strings")
+            _fail("stop must be a list of non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            fail("stop_token_ids must be non-negative integers")
+            _fail("stop_token_ids must be non-negative integers")
+
+    def _check_logprobs_and_bias(self) -> None:
         if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
-            fail(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+            _fail(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            _fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.logit_bias is not None:
             low, high = LOGIT_BIAS_RANGE
             if not isinstance(self.logit_bias, dict) or not all(
                     _is_int(t) and t >= 0 and _is_number(b) and low <= b <= high for t, b in self.logit_bias.items()):
-                fail(f"logit_bias must map token ids to biases in [{low:g}, {high:g}]")
+                _fail(f"logit_bias must map token ids to biases in [{low:g}, {high:g}]")
+
+    def _check_token_options(self) -> None:
         if not isinstance(self.output_kind, RequestOutputKind):
-            fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+            _fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
-            fail(f"include_stop_str_in_output must be a boolean, got {self.include_stop_str_in_output!r}")
+            _fail(f"include_stop_str_in_output must be a boolean, got {self.include_stop_str_in_output!r}")
         if self.allowed_token_ids is not None and not _is_token_list(self.allowed_token_ids):
-            fail("allowed_token_ids must be a non-empty list of token ids")
+            _fail("allowed_token_ids must be a non-empty list of token ids")
         if any(not isinstance(w, str) or not w for w in self.bad_words):
-            fail("bad_words must be a list of non-empty strings")
+            _fail("bad_words must be a list of non-empty strings")
         if self._bad_words_token_ids is not None and not (
                 isinstance(self._bad_words_token_ids, list) and all(map(_is_token_list, self._bad_words_token_ids))):
-            fail("bad_words token ids must be a list of non-empty lists of token ids")
+            _fail("bad_words token ids must be a list of non-empty lists of token ids")
         if self.prompt_logprobs is not None and (
                 not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            fail(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+            _fail(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if self.truncate_prompt_tokens is not None and (
                 not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < -1
                 or self.truncate_prompt_tokens == 0):
-            fail(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {self.truncate_prompt_tokens!r}")
+            _fail(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {self.truncate_prompt_tokens!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            fail(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+            _fail(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 
     def samples(self) -> list[SamplingParams]:
         """One SamplingParams (n = 1) per sample, sample i seeded with seed + i (vLLM's rule), so
@@ -265,6 +282,10 @@ def _is_int(value: object) -> bool:
 
 def _is_token_list(value: object) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(_is_int(t) and t >= 0 for t in value)
+
+
+def _fail(message: str) -> NoReturn:
+    raise InvalidRequestError(message, param=message.split(" ", 1)[0])  # messages start with the field
 
 
 def _is_number(value: object) -> bool:

@@ -32,8 +32,7 @@ from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.sched.output import SchedulerStats
 from chunkserve.engine.core import MAX_STEP_RECORDS
 from chunkserve.engine.core_client import CoreClient, EventHandler, ProcessCore, ThreadCore
-from chunkserve.engine.generation_config import generation_defaults
-from chunkserve.engine.input_processor import InputProcessor
+from chunkserve.engine.frontend import Frontend
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.engine.messages import (
     AbortRequests,
@@ -135,11 +134,8 @@ class AsyncLLM:
         self._core = start_core(functools.partial(self._on_event, 0))
         self.info = self._core.info
         self.tokenizer: Any = get_tokenizer()
-        self.input_processor = InputProcessor(self.tokenizer, source, self.info,
-                                              args.request_limits(self.info.max_model_len),
-                                              args.disaggregation_mode, args.structured_outputs())
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.generation_defaults = generation_defaults(source, args.generation_config)  # SamplingParams field -> value
+        self.input_processor, self.output_processor, self.generation_defaults = Frontend.from_args(
+            args, self.tokenizer, source, self.info)
         # Tokenizing and chat templates run here, never on the event loop (a long prompt would stall
         # every stream) nor in the engine core; the tokenizer's encode releases the GIL.
         self._text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunkserve-tokenize")

@@ -11,10 +11,8 @@ from chunkserve.config.model import resolve_model
 from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.sched.output import EngineCoreOutput, SchedulerStats
 from chunkserve.engine.core import EngineCore
-from chunkserve.engine.generation_config import generation_defaults
-from chunkserve.engine.input_processor import InputProcessor
+from chunkserve.engine.frontend import Frontend
 from chunkserve.engine.messages import imported_core_request
-from chunkserve.engine.output_processor import OutputProcessor
 from chunkserve.engine.outputs import RequestOutput, StepRecord
 from chunkserve.engine.tokenizer import load_tokenizer
 from chunkserve.errors import InvalidRequestError
@@ -29,11 +27,8 @@ class LLMEngine:
         self.info = self.engine_core.info(source.name)
         self.tokenizer: Any = load_tokenizer(source, args.tokenizer, args.chat_template)
         self.engine_core.structured.use_tokenizer(self.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, source, self.info,
-                                              args.request_limits(self.info.max_model_len),
-                                              args.disaggregation_mode, args.structured_outputs())
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.generation_defaults = generation_defaults(source, args.generation_config)  # SamplingParams field -> value
+        self.input_processor, self.output_processor, self.generation_defaults = Frontend.from_args(
+            args, self.tokenizer, source, self.info)
         self.last_step_record: StepRecord | None = None  # of the last step(); None if it ran nothing
         self._shut_down = False
 

@@ -152,68 +152,86 @@ class OutputProcessor:
     def _process(self, core_id: str, state: RequestState, output: EngineCoreOutput, timestamp: float,
                  processed: ProcessedOutputs) -> RequestOutput:
         metrics = state.metrics
-        detokenizer = state.detokenizer
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = output.first_scheduled_time
         metrics.num_preemptions = output.num_preemptions
-        finish_reason, stop_reason = output.finish_reason, output.stop_reason
-        new_token_ids: list[int] = []
-        new_logprobs: list[TokenLogprobs] = []
         if output.new_prompt_logprobs is not None:
             state.prompt_logprobs = output.new_prompt_logprobs
+        finish_reason, stop_reason = output.finish_reason, output.stop_reason
         if output.new_token_ids:
-            before = len(detokenizer.token_ids)
-            hides_stop_token = finish_reason == "stop" and not detokenizer.include_stop  # the core's: a stop token
-            matched = detokenizer.add_tokens(output.new_token_ids[:-1] if hides_stop_token else output.new_token_ids)
-            if hides_stop_token and matched is None:
-                detokenizer.add_stop_token(output.new_token_ids[-1])
-            new_token_ids = detokenizer.token_ids[before:]
-            count = len(new_token_ids)
-            if output.new_logprobs is not None:
-                new_logprobs = output.new_logprobs[:count]
-                if state.logprobs is not None:
-                    state.logprobs.extend(new_logprobs)
-            metrics.token_times.extend([timestamp] * count)
-            metrics.first_token_time = metrics.first_token_time or timestamp
-            cut = count < len(output.new_token_ids)  # the stop string came before the core's own finish
+            new_token_ids, new_logprobs, matched = _add_tokens(state, output, timestamp)
+            cut = len(new_token_ids) < len(output.new_token_ids)  # the stop string came before the core's own finish
             if matched is not None and (finish_reason is None or cut):
                 if finish_reason is None:
                     processed.requests_to_abort.append(core_id)
                 finish_reason, stop_reason = "stop", matched
+        else:
+            new_token_ids, new_logprobs = [], []
         finished = finish_reason is not None
-        delta = detokenizer.delta(finished)
+        delta = state.detokenizer.delta(finished)
         if finished:
             metrics.finished_time = timestamp
             del self._states[core_id]
-        kind = state.output_kind
-        # FINAL_ONLY outputs before the last are made (step observers count tokens from them) but
-        # kept small; a caller that asked for FINAL_ONLY is handed only the last
-        if kind == RequestOutputKind.DELTA or (kind == RequestOutputKind.FINAL_ONLY and not finished):
-            wants_logprobs = output.new_logprobs is not None
-            text, token_ids, logprobs = delta, new_token_ids, new_logprobs if wants_logprobs else None
-            prompt_logprobs = output.new_prompt_logprobs
-        else:
-            text, token_ids = detokenizer.emitted_text, list(detokenizer.token_ids)
-            logprobs = None if state.logprobs is None else list(state.logprobs)
-            prompt_logprobs = state.prompt_logprobs
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=token_ids,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            text_delta=delta,
-            new_token_ids=new_token_ids,
-            logprobs=logprobs,
-            new_logprobs=new_logprobs,
-        )
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            metrics=metrics,
-            num_cached_tokens=output.num_cached_tokens,
-            prompt_logprobs=prompt_logprobs,
-        )
+        return _request_output(state, output, finish_reason, stop_reason, delta, new_token_ids, new_logprobs)
+
+
+def _add_tokens(state: RequestState, output: EngineCoreOutput,
+                timestamp: float) -> tuple[list[int], list[TokenLogprobs], str | None]:
+    """Detokenizes the step's new tokens -> those kept (a stop string cuts the rest), their
+    logprobs, and the stop string matched (None if none)."""
+    detokenizer, metrics = state.detokenizer, state.metrics
+    before = len(detokenizer.token_ids)
+    hides_stop_token = output.finish_reason == "stop" and not detokenizer.include_stop  # the core's: a stop token
+    matched = detokenizer.add_tokens(output.new_token_ids[:-1] if hides_stop_token else output.new_token_ids)
+    if hides_stop_token and matched is None:
+        detokenizer.add_stop_token(output.new_token_ids[-1])
+    new_token_ids = detokenizer.token_ids[before:]
+    count = len(new_token_ids)
+    new_logprobs: list[TokenLogprobs] = []
+    if output.new_logprobs is not None:
+        new_logprobs = output.new_logprobs[:count]
+        if state.logprobs is not None:
+            state.logprobs.extend(new_logprobs)
+    metrics.token_times.extend([timestamp] * count)
+    metrics.first_token_time = metrics.first_token_time or timestamp
+    return new_token_ids, new_logprobs, matched
+
+
+def _request_output(state: RequestState, output: EngineCoreOutput, finish_reason: str | None,
+                    stop_reason: int | str | None, delta: str, new_token_ids: list[int],
+                    new_logprobs: list[TokenLogprobs]) -> RequestOutput:
+    """The step's RequestOutput: the step's delta or the whole output so far, by the request's output_kind."""
+    detokenizer = state.detokenizer
+    finished = finish_reason is not None
+    kind = state.output_kind
+    # FINAL_ONLY outputs before the last are made (step observers count tokens from them) but
+    # kept small; a caller that asked for FINAL_ONLY is handed only the last
+    if kind == RequestOutputKind.DELTA or (kind == RequestOutputKind.FINAL_ONLY and not finished):
+        wants_logprobs = output.new_logprobs is not None
+        text, token_ids, logprobs = delta, new_token_ids, new_logprobs if wants_logprobs else None
+        prompt_logprobs = output.new_prompt_logprobs
+    else:
+        text, token_ids = detokenizer.emitted_text, list(detokenizer.token_ids)
+        logprobs = None if state.logprobs is None else list(state.logprobs)
+        prompt_logprobs = state.prompt_logprobs
+    completion = CompletionOutput(
+        index=0,
+        text=text,
+        token_ids=token_ids,
+        finish_reason=finish_reason,
+        stop_reason=stop_reason,
+        text_delta=delta,
+        new_token_ids=new_token_ids,
+        logprobs=logprobs,
+        new_logprobs=new_logprobs,
+    )
+    return RequestOutput(
+        request_id=state.request_id,
+        prompt=state.prompt,
+        prompt_token_ids=state.prompt_token_ids,
+        outputs=[completion],
+        finished=finished,
+        metrics=state.metrics,
+        num_cached_tokens=output.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs,
+    )

@@ -1,6 +1,7 @@
 """The model fingerprint that KV leaving or entering the pool is checked against
 (core/kv/layout.py): SHA-256 over the weights and over the tokenizer, computed once per file
-version (about 0.1 s for the default 98 MB GGUF)."""
+version, since it reads every byte of the weights (measured: docs/benchmarks-log.md, "Costs
+behind choices in the code")."""
 
 from __future__ import annotations
 

@@ -279,62 +279,78 @@ class LlamaModel(nn.Module, UsesOps):
         """Take this rank's slices of Hugging Face-named tensors, fusing q/k/v and gate/up;
         `blocks` holds the GGUF blocks of the weights that came as such, under the same
         names. Only this stage's layers are read."""
-        blocks = blocks or {}
         config, parallel = self.config, self.parallel
-        dtype = next(self.parameters()).dtype
-        own = dict(self.named_parameters())
-
-        def put(name: str, tensor: torch.Tensor) -> None:
-            target = own.pop(name)
-            assert target.shape == tensor.shape, f"{name}: expected {tuple(target.shape)}, got {tuple(tensor.shape)}"
-            target.copy_(tensor.to(dtype))
-
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise KeyError(f"weight {name!r} is missing from the checkpoint")
-            return weights[name]
-
-        def put_column_parallel(layer: Linear, name: str, parts: list[tuple[str, range]]) -> None:
-            """Rows `rows` of each part, one part after another."""
-            put(f"{name}.weight", torch.cat([take(part)[rows.start : rows.stop] for part, rows in parts]))
-            layer.blocks = BlockWeight.stack([block_rows(blocks.get(part), rows) for part, rows in parts])
-
-        def put_row_parallel(layer: Linear, name: str, part: str, columns: range) -> None:
-            weight = take(part)
-            put(f"{name}.weight", weight[:, columns.start : columns.stop])
-            layer.blocks = block_columns(blocks.get(part), weight.shape[1], columns)
-
-        def rows_of(heads: range) -> range:
-            return range(heads.start * config.head_dim, heads.stop * config.head_dim)
-
-        q_rows = rows_of(parallel.shard_range(config.num_heads))
-        kv_rows = rows_of(parallel.kv_head_range(config.num_kv_heads))
-        mlp_rows = parallel.shard_range(config.intermediate_size)
+        source = _HFWeights(self, weights, blocks or {})
         embedding = "model.embed_tokens.weight"
         if self.embed_tokens is not None:
-            put("embed_tokens.weight", take(embedding))
+            source.put("embed_tokens.weight", source.take(embedding))
         if parallel.is_last_stage:
-            put("norm.weight", take("model.norm.weight"))
+            source.put("norm.weight", source.take("model.norm.weight"))
             if self.lm_head is None:
-                self.embedding_blocks = block_rows(blocks.get(embedding), self.vocab_rows)
+                self.embedding_blocks = block_rows(source.blocks.get(embedding), self.vocab_rows)
             else:
                 head = embedding if config.tie_word_embeddings else "lm_head.weight"
-                put_column_parallel(self.lm_head, "lm_head", [(head, self.vocab_rows)])
-        for local, i in enumerate(self.layer_range):
-            src, dst, layer = f"model.layers.{i}.", f"layers.{local}.", self.layers[local]
-            qkv_rows = list(zip((f"{src}self_attn.{p}_proj" for p in "qkv"), (q_rows, kv_rows, kv_rows)))
-            put_column_parallel(layer.self_attn.qkv_proj, f"{dst}self_attn.qkv_proj",
-                                [(f"{part}.weight", rows) for part, rows in qkv_rows])
-            if config.qkv_bias:
-                bias = [take(f"{part}.bias")[rows.start : rows.stop] for part, rows in qkv_rows]
-                put(f"{dst}self_attn.qkv_proj.bias", torch.cat(bias))
-            put_row_parallel(layer.self_attn.o_proj, f"{dst}self_attn.o_proj", f"{src}self_attn.o_proj.weight", q_rows)
-            put_column_parallel(layer.mlp.gate_up_proj, f"{dst}mlp.gate_up_proj",
-                                [(f"{src}mlp.{p}_proj.weight", mlp_rows) for p in ("gate", "up")])
-            put_row_parallel(layer.mlp.down_proj, f"{dst}mlp.down_proj", f"{src}mlp.down_proj.weight", mlp_rows)
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                put(f"{dst}{norm}.weight", take(f"{src}{norm}.weight"))
-            if config.qk_norm:
-                for norm in ("q_norm", "k_norm"):
-                    put(f"{dst}self_attn.{norm}.weight", take(f"{src}self_attn.{norm}.weight"))
-        assert not own, f"weights not loaded: {sorted(own)}"
+                source.put_column_parallel(self.lm_head, "lm_head", [(head, self.vocab_rows)])
+        for local, index in enumerate(self.layer_range):
+            self._load_layer(source, index, local)
+        assert not source.unloaded, f"weights not loaded: {sorted(source.unloaded)}"
+
+    def _load_layer(self, source: _HFWeights, index: int, local: int) -> None:
+        """Checkpoint layer `index` into this stage's layer `local`: this rank's heads of q/k/v
+        and o, its share of the MLP, and the norms whole."""
+        config, parallel = self.config, self.parallel
+        q_rows = _head_rows(parallel.shard_range(config.num_heads), config.head_dim)
+        kv_rows = _head_rows(parallel.kv_head_range(config.num_kv_heads), config.head_dim)
+        mlp_rows = parallel.shard_range(config.intermediate_size)
+        src, dst, layer = f"model.layers.{index}.", f"layers.{local}.", self.layers[local]
+        qkv_rows = list(zip((f"{src}self_attn.{p}_proj" for p in "qkv"), (q_rows, kv_rows, kv_rows)))
+        source.put_column_parallel(layer.self_attn.qkv_proj, f"{dst}self_attn.qkv_proj",
+                                   [(f"{part}.weight", rows) for part, rows in qkv_rows])
+        if config.qkv_bias:
+            bias = [source.take(f"{part}.bias")[rows.start : rows.stop] for part, rows in qkv_rows]
+            source.put(f"{dst}self_attn.qkv_proj.bias", torch.cat(bias))
+        source.put_row_parallel(layer.self_attn.o_proj, f"{dst}self_attn.o_proj", f"{src}self_attn.o_proj.weight",
+                                q_rows)
+        source.put_column_parallel(layer.mlp.gate_up_proj, f"{dst}mlp.gate_up_proj",
+                                   [(f"{src}mlp.{p}_proj.weight", mlp_rows) for p in ("gate", "up")])
+        source.put_row_parallel(layer.mlp.down_proj, f"{dst}mlp.down_proj", f"{src}mlp.down_proj.weight", mlp_rows)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            source.put(f"{dst}{norm}.weight", source.take(f"{src}{norm}.weight"))
+        if config.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                source.put(f"{dst}self_attn.{norm}.weight", source.take(f"{src}self_attn.{norm}.weight"))
+
+
+def _head_rows(heads: range, head_dim: int) -> range:
+    """The weight rows of attention heads `heads`."""
+    return range(heads.start * head_dim, heads.stop * head_dim)
+
+
+class _HFWeights:
+    """Hugging Face-named tensors (and their GGUF blocks) copied into a model's parameters, each
+    parameter once: those left in `unloaded` at the end had no tensor."""
+
+    def __init__(self, model: nn.Module, weights: dict[str, torch.Tensor], blocks: dict[str, BlockWeight]) -> None:
+        self.weights, self.blocks = weights, blocks
+        self.dtype = next(model.parameters()).dtype
+        self.unloaded = dict(model.named_parameters())
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise KeyError(f"weight {name!r} is missing from the checkpoint")
+        return self.weights[name]
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        target = self.unloaded.pop(name)
+        assert target.shape == tensor.shape, f"{name}: expected {tuple(target.shape)}, got {tuple(tensor.shape)}"
+        target.copy_(tensor.to(self.dtype))
+
+    def put_column_parallel(self, layer: Linear, name: str, parts: list[tuple[str, range]]) -> None:
+        """Rows `rows` of each part, one part after another."""
+        self.put(f"{name}.weight", torch.cat([self.take(part)[rows.start : rows.stop] for part, rows in parts]))
+        layer.blocks = BlockWeight.stack([block_rows(self.blocks.get(part), rows) for part, rows in parts])
+
+    def put_row_parallel(self, layer: Linear, name: str, part: str, columns: range) -> None:
+        weight = self.take(part)
+        self.put(f"{name}.weight", weight[:, columns.start : columns.stop])
+        layer.blocks = block_columns(self.blocks.get(part), weight.shape[1], columns)

@@ -197,7 +197,8 @@ def _gguf_hf_names(config: ModelConfig, arch: str) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face name, as transformers' `get_gguf_hf_weights_map` maps
     them: the gguf package's name map over the parameter names of the transformers model,
     built on the meta device (no memory, no weights). Not that function itself, which rebuilds
-    the name map for every submodule (some 400 times for SmolLM2: ten seconds)."""
+    the name map for every submodule: seconds of start-up (measured: docs/benchmarks-log.md,
+    "Costs behind choices in the code")."""
     import gguf
     from transformers import AutoModelForCausalLM
 

@@ -59,25 +59,26 @@ _SOURCES = [os.path.join(_CSRC, name)
                          "elementwise.cpp", "decoder_layer.cpp")]
 
 # Up to this many rows the C++ linear beats or equals MKL on the layer shapes of SmolLM2-135M
-# here (benchmarks/small_batch_linear.py: 1.25x at 64 rows, 1.2x at 128, 1.1x at 256, 1.05x
-# at 512; above, MKL's blocked GEMM wins on the MLP's down projection, K = 1536, first). In
-# whole steps (benchmarks/step_time_curve.py) a 96-row step is 1.28x faster than with MKL, a
-# 256-row one 1.08x, a 512-row one 1.02x.
+# here, in the layers alone (benchmarks/small_batch_linear.py) and in whole steps
+# (benchmarks/step_time_curve.py); above, MKL's blocked GEMM wins, on the MLP's down
+# projection (K = 1536) first. Measured: docs/benchmarks-log.md, "Decode steps: the C++ ops
+# against plain torch" (small_batch_linear.cpp).
 SMALL_BATCH_MAX_ROWS = 512
 # From this many rows oneDNN's linear on packed weights beats the C++ kernel, on float32
-# weights and on the GGUF blocks alike (benchmarks/small_batch_linear.py, the 30 layers: equal
-# at 16-24 rows, 59 against 69 ms at 32, 1.5x at 256; in whole steps equal at 32-48 rows and
-# 0.91x at 64); below, the kernel reading the blocks moves fewer bytes. Layers whose weight
-# could not be packed keep the rules above.
+# weights and on the GGUF blocks alike; below, the kernel reading the blocks moves fewer bytes.
+# Layers whose weight could not be packed keep the rules above. Measured: docs/benchmarks-log.md,
+# "oneDNN's linear on packed weights" (the layers) and "Step time against rows, and the chunk
+# alignment" (whole steps).
 ONEDNN_MIN_ROWS = 32
 # In bfloat16 mode, from this many rows oneDNN's bfloat16 linear takes a layer's steps from the
 # C++ kernel on its GGUF blocks: below, the kernel (AVX-512, blocks expanded in registers) is the
-# faster and keeps decode in float32 arithmetic (docs/benchmarks-log.md, "bfloat16 mode": the
-# 30 layers at 8 rows 7.4 against 8.0 ms, at 12 rows 10.5 against 8.9; whole steps against the
-# earlier AVX2 kernel favoured oneDNN from 3 rows).
+# faster and keeps decode in float32 arithmetic. Measured: docs/benchmarks-log.md, "bfloat16
+# mode with the AVX-512 block kernel, and the 10-row threshold" (against the earlier AVX2
+# kernel: "bfloat16 mode").
 BF16_ONEDNN_MIN_ROWS = 10
 # The LM head (49152 x 576) is a shape MKL handles poorly: the C++ kernel is faster up to
-# 1024 rows at least (300 vs 397 ms at 1024).
+# 1024 rows at least (measured: docs/benchmarks-log.md, "Decode steps: the C++ ops against
+# plain torch").
 LOGITS_MAX_ROWS = 1024
 
 
@@ -105,8 +106,8 @@ def _onednn_packing_works(dtype: torch.dtype = torch.float32) -> bool:
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear on a weight from `pack_for_onednn` (the op torch's inductor uses for frozen CPU
-    linears): on this host oneDNN's kernels run this model's shapes 1.4-1.5x faster than MKL's
-    SGEMM, which F.linear calls (benchmarks/small_batch_linear.py)."""
+    linears): on this host oneDNN's kernels run this model's shapes faster than MKL's SGEMM,
+    which F.linear calls (measured: docs/benchmarks-log.md, "oneDNN's linear on packed weights")."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 

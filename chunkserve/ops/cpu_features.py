@@ -3,7 +3,8 @@ bfloat16, 8-bit activations without VNNI.
 
 With AVX512_BF16 (dot products of bfloat16 pairs) or AMX (bfloat16 tiles), oneDNN's bfloat16
 matrix products run at about twice float32's rate (docs/benchmarks-log.md); without either,
-torch emulates them, some 100x slower than float32. So bfloat16 is refused there rather than
+torch emulates them, far slower than float32 (docs/benchmarks-log.md, "The machine, and what
+its CPU offers"). So bfloat16 is refused there rather than
 served slowly; `--dtype auto` picks it only where the CPU has it (config/cpu.py, the one check).
 """
 

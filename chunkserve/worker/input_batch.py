@@ -59,13 +59,7 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: Mapping[st
         positions.append(new_positions)
         slots.append(_slots_of(table, new_positions, block_size))
         if count > 1:
-            chunk_table = torch.from_numpy(table[: -(-(start + count) // block_size)])
-            if kernels is None:  # SDPA over the gathered keys 0 .. start+count-1
-                context_slots = _slots_of(table, np.arange(start + count, dtype=np.int64), block_size)
-                prefills.append(PrefillChunk(row, count, start, chunk_table, torch.from_numpy(context_slots),
-                                             _chunk_mask(start, count)))
-            else:
-                prefills.append(PrefillChunk(row, count, start, chunk_table))
+            prefills.append(_prefill_chunk(row, start, count, table, block_size, gather=kernels is None))
         row += count
         if s.sample:
             logits_rows.extend(range(row - s.num_sampled_rows, row))
@@ -91,6 +85,18 @@ def build_forward_batch(scheduled: list[ScheduledRequest], token_ids: Mapping[st
 def _slots_of(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
     """block_size 4, table [7, 2], positions [0..5] -> [28, 29, 30, 31, 8, 9]"""
     return block_table[positions // block_size] * block_size + positions % block_size
+
+
+def _prefill_chunk(row: int, start: int, count: int, block_table: np.ndarray, block_size: int,
+                   gather: bool) -> PrefillChunk:
+    """A chunk's rows row .. row+count-1 at positions start .. start+count-1 and its block table;
+    when `gather` (no kernels: SDPA over the gathered keys 0 .. start+count-1), also the keys'
+    slots and the chunk's mask."""
+    chunk_table = torch.from_numpy(block_table[: -(-(start + count) // block_size)])
+    if not gather:
+        return PrefillChunk(row, count, start, chunk_table)
+    context_slots = _slots_of(block_table, np.arange(start + count, dtype=np.int64), block_size)
+    return PrefillChunk(row, count, start, chunk_table, torch.from_numpy(context_slots), _chunk_mask(start, count))
 
 
 def _chunk_mask(start: int, count: int) -> torch.Tensor | None:

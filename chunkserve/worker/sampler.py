@@ -5,6 +5,7 @@ draw from their own generator, so their stream is reproducible whatever else sha
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -67,19 +68,61 @@ def sample_runs(logits: torch.Tensor, states: list[SamplingState], drafts: list[
     checked before anything is drawn: an InvalidRowsError names states (not rows) and leaves
     every generator untouched."""
     if bitmasks is not None and any(mask is not None for mask in bitmasks):
-        row_masks: list[np.ndarray | None] = []
-        for mask, state_drafts in zip(bitmasks, drafts):
-            row_masks.extend([None] * (1 + len(state_drafts)) if mask is None else list(mask))
-        _mask_grammar(logits, row_masks)
-    row_states, owner = [], []
+        _mask_grammar(logits, _row_masks(bitmasks, drafts))
+    row_states, owner = _expand_rows(states, drafts)
+    _mask_banned(logits, row_states)
+    _apply_penalties(logits, row_states)
+    _mask_stops_before_min_tokens(logits, row_states)
+    rows = _check_rows(logits, row_states, owner)
+    runs: list[list[int]] = []
+    last_draws: list[tuple[int, int]] = []  # (state index, row) of each run ending in _DRAWN_LATER
+    first_row = 0  # the current state's first row
+    for index, (state, state_drafts) in enumerate(zip(states, drafts)):
+        run = _verify_drafts(state, state_drafts, first_row, rows, default_generator)
+        if run[-1] == _DRAWN_LATER:
+            last_draws.append((index, first_row + len(state_drafts)))
+        runs.append(run)
+        first_row += 1 + len(state_drafts)
+    _draw_last_tokens(runs, last_draws, states, rows, default_generator)
+    return runs
+
+
+_DRAWN_LATER = -1  # a run's last token, drawn by _draw_last_tokens with every row that samples plainly
+
+
+class _CheckedRows(NamedTuple):
+    """The rows of one sample_runs call once every one was found valid."""
+
+    chosen: list[int]  # each row's argmax
+    probs: torch.Tensor | None  # float64 [sampled rows, vocab]: the filtered distribution of each row that samples
+    cdf: torch.Tensor | None  # probs' cumulative sums
+    position: dict[int, int]  # row -> its index in probs and cdf
+
+
+def _row_masks(bitmasks: list[np.ndarray | None], drafts: list[list[int]]) -> list[np.ndarray | None]:
+    """Per-state grammar bitmasks -> one mask (or None) per logits row."""
+    row_masks: list[np.ndarray | None] = []
+    for mask, state_drafts in zip(bitmasks, drafts):
+        row_masks.extend([None] * (1 + len(state_drafts)) if mask is None else list(mask))
+    return row_masks
+
+
+def _expand_rows(states: list[SamplingState], drafts: list[list[int]]) -> tuple[list[SamplingState], list[int]]:
+    """One state per logits row (row j of a state sees its first j drafts as its own tokens), and
+    each row's owner: the index of its state."""
+    row_states: list[SamplingState] = []
+    owner: list[int] = []
     for index, (state, state_drafts) in enumerate(zip(states, drafts)):
         row_states.append(state)
         row_states.extend(replace(state, token_ids=state.token_ids + state_drafts[:j])
                           for j in range(1, len(state_drafts) + 1))
         owner.extend([index] * (1 + len(state_drafts)))
-    _mask_banned(logits, row_states)
-    _apply_penalties(logits, row_states)
-    _mask_stops_before_min_tokens(logits, row_states)
+    return row_states, owner
+
+
+def _check_rows(logits: torch.Tensor, row_states: list[SamplingState], owner: list[int]) -> _CheckedRows:
+    """Each row's argmax and, for the rows that sample, its filtered distribution; raises
+    InvalidRowsError naming the owners of the rows with no valid distribution, before any draw."""
     chosen = logits.argmax(dim=-1)
     # argmax picks a NaN where a row has one, so checking the picked logits checks the greedy rows
     bad = (~logits.gather(1, chosen.unsqueeze(1)).squeeze(1).isfinite()).tolist()
@@ -93,54 +136,61 @@ def sample_runs(logits: torch.Tensor, states: list[SamplingState], drafts: list[
             bad[row] = not valid
     if any(bad):
         raise InvalidRowsError(sorted({owner[i] for i, b in enumerate(bad) if b}))
-    chosen = chosen.tolist()
-    position = {row: i for i, row in enumerate(random_rows)}  # row -> its index in probs / cdf
-    runs: list[list[int]] = []
-    last_draws: list[tuple[int, int]] = []  # (state index, row): its last token is drawn from the row below
-    row = 0
-    for index, (state, state_drafts) in enumerate(zip(states, drafts)):
-        run: list[int] = []
-        for draft in state_drafts:
-            if state.params.is_greedy:
-                accepted = chosen[row] == draft
-            else:
-                p = probs[position[row]]
-                uniform = torch.rand(1, generator=state.generator or default_generator, dtype=torch.float64)
-                accepted = bool(uniform * p.sum() < p[draft])
-            if not accepted:
-                break
-            run.append(draft)
-            row += 1
-        else:
-            last_draws.append((index, row))
-            run.append(-1)  # drawn below, with every row that samples plainly
-            runs.append(run)
-            row += 1
-            continue
-        if state.params.is_greedy:
-            run.append(chosen[row])
-        else:  # rejected: the target's distribution without the draft
-            residual = probs[position[row]].clone()
-            residual[state_drafts[len(run)]] = 0.0
-            run.append(int(_draw(residual.cumsum(dim=-1).unsqueeze(0), [state.generator], default_generator)[0]))
-        runs.append(run)
-        row += len(state_drafts) - len(run) + 2  # past the request's remaining rows
+    return _CheckedRows(chosen.tolist(), probs, cdf, {row: i for i, row in enumerate(random_rows)})
+
+
+def _verify_drafts(state: SamplingState, drafts: list[int], first_row: int, rows: _CheckedRows,
+                   default_generator: torch.Generator) -> list[int]:
+    """The state's accepted drafts, then the target's token at the first rejected one; where
+    every draft is accepted, then _DRAWN_LATER for the token after the last (see sample_runs)."""
+    for accepted, draft in enumerate(drafts):
+        row = first_row + accepted
+        if not _accepts(state, draft, row, rows, default_generator):
+            return [*drafts[:accepted], _token_instead(state, draft, row, rows, default_generator)]
+    return [*drafts, _DRAWN_LATER]
+
+
+def _accepts(state: SamplingState, draft: int, row: int, rows: _CheckedRows,
+             default_generator: torch.Generator) -> bool:
+    """Greedy: the draft is the row's argmax. Sampled: a uniform draw accepts it with probability p(draft)."""
+    if state.params.is_greedy:
+        return rows.chosen[row] == draft
+    p = rows.probs[rows.position[row]]
+    uniform = torch.rand(1, generator=state.generator or default_generator, dtype=torch.float64)
+    return bool(uniform * p.sum() < p[draft])
+
+
+def _token_instead(state: SamplingState, rejected: int, row: int, rows: _CheckedRows,
+                   default_generator: torch.Generator) -> int:
+    """The target's token at a rejected draft's row: the argmax, or a draw from the row's
+    distribution without the rejected draft (renormalised)."""
+    if state.params.is_greedy:
+        return rows.chosen[row]
+    residual = rows.probs[rows.position[row]].clone()
+    residual[rejected] = 0.0
+    return int(_draw(residual.cumsum(dim=-1).unsqueeze(0), [state.generator], default_generator)[0])
+
+
+def _draw_last_tokens(runs: list[list[int]], last_draws: list[tuple[int, int]], states: list[SamplingState],
+                      rows: _CheckedRows, default_generator: torch.Generator) -> None:
+    """Replaces the _DRAWN_LATER ending each run of `last_draws` with its row's token: the argmax
+    for greedy states, one batched draw for the others. In place."""
     drawn = [(index, row) for index, row in last_draws if not states[index].params.is_greedy]
     if drawn:
-        tokens = _draw(cdf[[position[row] for _, row in drawn]], [states[i].generator for i, _ in drawn],
+        tokens = _draw(rows.cdf[[rows.position[row] for _, row in drawn]], [states[i].generator for i, _ in drawn],
                        default_generator).tolist()
         for (index, _), token in zip(drawn, tokens):
             runs[index][-1] = token
     for index, row in last_draws:
         if states[index].params.is_greedy:
-            runs[index][-1] = chosen[row]
-    return runs
+            runs[index][-1] = rows.chosen[row]
 
 
 def _mask_grammar(logits: torch.Tensor, row_masks: list[np.ndarray | None]) -> None:
     """Every token a row's grammar bitmask leaves out to -inf (bit t of word t // 32: token t
     allowed); rows without a mask are left alone. In place, row by row unless every row has a
-    mask: gathering the masked rows and writing them back cost 7x more at 8 rows of 49,152."""
+    mask: gathering the masked rows and writing them back cost more (measured:
+    docs/benchmarks-log.md, "Costs behind choices in the code")."""
     rows = [row for row, mask in enumerate(row_masks) if mask is not None]
     packed = np.ascontiguousarray(np.stack([row_masks[row] for row in rows]).astype("<i4", copy=False))
     allowed = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
@@ -235,9 +285,9 @@ def _draw(cdf: torch.Tensor, generators: list[torch.Generator | None],
           default_generator: torch.Generator) -> torch.Tensor:
     """One token per row of `cdf` (each row's cumulative probabilities), by inverse CDF: a
     uniform draw per row (from the row's own generator where it has one) located in the row's
-    cumulative sum. One random number per row instead of one per vocab entry: on the CPU,
-    exponential or multinomial noise over a 49K vocab costs ~1.2 ms a row, this ~0.15 ms. The
-    sum is float64: in float32, tokens below ~1e-8 next to a likely one add nothing to it and
+    cumulative sum. One random number per row instead of one per vocab entry (exponential or
+    multinomial noise), which on the CPU is several times cheaper (measured:
+    docs/benchmarks-log.md, "Costs behind choices in the code"). The sum is float64: in float32, tokens below ~1e-8 next to a likely one add nothing to it and
     could never be drawn."""
     totals = cdf[:, -1:]
     uniform = torch.empty(len(generators), 1, dtype=torch.float64)

@@ -26,7 +26,8 @@ constexpr int64_t kSliceBytes = 32 * 1024;
 // Features per tile, by rows: a tile keeps R x F accumulators, 2 F weight registers and the
 // row's two halves, under the 32 registers; at one row more features keep more FMA chains going,
 // from 5 rows two features let up to 8 rows share each expanded block (a tile of 4 rows expanded
-// every block twice for an 8-row decode: 0.88-0.89x the time at 8, 16 and 31 rows).
+// every block twice for an 8-row decode). Measured: docs/benchmarks-log.md, "The AVX-512 block
+// kernel shares each expanded block among 8 rows".
 template <int R>
 constexpr int kFeatureTile = R == 1 ? 8 : (R <= 4 ? 4 : 2);
 

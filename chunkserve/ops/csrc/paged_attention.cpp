@@ -11,8 +11,8 @@
 // The kernel is bound by memory, not arithmetic: the blocks lie anywhere in the pool, and the
 // hardware prefetcher only starts on a block once its first lines have missed. So while a
 // block is computed, its heads' iterations each prefetch a share of the next block's K and V
-// lines (all at once would overflow the L1 miss buffers): 0.84x the time over 30 layers of 64
-// decodes (benchmarks/decode_attention.py --baseline d0a2295).
+// lines (all at once would overflow the L1 miss buffers). Measured: docs/benchmarks-log.md,
+// "Decode steps: the C++ ops against plain torch" (paged_attention.cpp).
 //
 // Where the CPU has AVX-512 and heads are 64 wide, a block's keys and values are loaded once
 // per kv head for up to three of its query heads together (GQA), in 512-bit registers, instead

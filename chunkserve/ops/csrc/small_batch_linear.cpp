@@ -1,8 +1,9 @@
 // Linear layers over a few rows: y = x @ weight^T (+ bias), x [M, K] with M up to a few dozen.
 //
 // At decode batch sizes each weight is used by only a handful of rows, so a step is bound by
-// reading the weights once. A general GEMM packs and tiles for reuse that is not there (MKL
-// reaches 8-10 GB/s of weight reads here at M = 8, against ~29 GB/s for this kernel at M = 1).
+// reading the weights once. A general GEMM packs and tiles for reuse that is not there, and
+// reads the weights well below the memory's streaming rate (measured: docs/benchmarks-log.md,
+// "Decode steps: the C++ ops against plain torch").
 // This kernel computes tiles of a few rows x a few features as dot products along K, in
 // registers, and the rows of x stay in L1. The features (the weight rows) are split over the
 // threads in slices whose weights fit in L1, so a batch of more than one tile of rows re-reads
