@@ -287,8 +287,8 @@ def _draw(cdf: torch.Tensor, generators: list[torch.Generator | None],
     uniform draw per row (from the row's own generator where it has one) located in the row's
     cumulative sum. One random number per row instead of one per vocab entry (exponential or
     multinomial noise), which on the CPU is several times cheaper (measured:
-    docs/benchmarks-log.md, "Costs behind choices in the code"). The sum is float64: in float32, tokens below ~1e-8 next to a likely one add nothing to it and
-    could never be drawn."""
+    docs/benchmarks-log.md, "Costs behind choices in the code"). The sum is float64: in
+    float32, tokens below ~1e-8 next to a likely one add nothing to it and could never be drawn."""
     totals = cdf[:, -1:]
     uniform = torch.empty(len(generators), 1, dtype=torch.float64)
     unseeded = [i for i, g in enumerate(generators) if g is None]
