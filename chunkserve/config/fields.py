@@ -24,12 +24,12 @@ def arg(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
-def flag_of(leaf: type, name: str, **default: Any) -> Any:
+def flag_of(leaf: type, name: str, default: Any = MISSING) -> Any:
     """EngineArgs' flag for the field `name` of the leaf config `leaf`: the leaf's default and
-    metadata (help, choices, aliases...). `default=`: the flag's own default, where the leaf's
-    field is resolved by the engine (None on the flag: resolved from the model)."""
+    metadata (help, choices, aliases...). `default`: the flag's own default, where the engine
+    resolves the leaf's field (None on the flag: resolved from the model)."""
     leaf_field = {f.name: f for f in dataclasses.fields(leaf)}[name]
-    value = default["default"] if "default" in default else leaf_field.default
+    value = leaf_field.default if default is MISSING else default
     if value is MISSING:
         raise TypeError(f"{leaf.__name__}.{name} has no default: give the flag's own (default=...)")
     return field(default=value, metadata=leaf_field.metadata)

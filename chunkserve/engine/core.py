@@ -17,7 +17,6 @@ import zlib
 from collections import deque
 
 from chunkserve.config.engine import EngineArgs
-from chunkserve.config.scheduler import SchedulerConfig
 from chunkserve.core.disagg.decode import DecodeConnectorScheduler
 from chunkserve.core.disagg.prefill import PrefillConnectorScheduler
 from chunkserve.core.kv.disk_tier import DiskTierScheduler
@@ -76,8 +75,8 @@ class EngineCore:
         self.model_config: ModelConfig = self.executor.model_config
         num_blocks = self.executor.determine_num_kv_blocks()
         self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks)
-        self.scheduler_config = config.scheduler_config(self.max_model_len)
-        check_budget(self.scheduler_config)
+        self.engine_config = config.create_engine_config(self.max_model_len)
+        self.scheduler_config = self.engine_config.scheduler
         self.executor.load_model(self.max_model_len)
         self.executor.initialize_kv_cache(num_blocks)
         self.predictor = StepTimePredictor()
@@ -277,7 +276,7 @@ class EngineCore:
         then no outputs and no record, but fresh stats). A step the executor fails is void and
         fails only the requests found to cause it (triage.py); the others run again."""
         failed = self.scheduler.take_grammar_failures()
-        if self.executor.max_concurrent_batches > 1:
+        if self.scheduler_config.max_steps_in_flight > 1:
             return _with_outputs(self._step_pipelined(), failed, self.scheduler)
         start_wall, start = time.time(), time.perf_counter()
         margin = self.predictor.margin
@@ -515,19 +514,6 @@ def resolve_max_model_len(config: EngineArgs, model_config: ModelConfig, num_blo
             "or num_kv_blocks"
         )
     return requested
-
-
-def check_budget(config: SchedulerConfig) -> None:
-    if config.max_num_batched_tokens < config.max_num_seqs:
-        raise InvalidRequestError(
-            f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_num_seqs "
-            f"({config.max_num_seqs}), so every running decode fits in a step"
-        )
-    if not config.enable_chunked_prefill and config.max_num_batched_tokens < config.max_model_len:
-        raise InvalidRequestError(
-            f"with chunked prefill off a whole prompt must fit one step: max_num_batched_tokens "
-            f"({config.max_num_batched_tokens}) must be at least max_model_len ({config.max_model_len})"
-        )
 
 
 def _with_outputs(step: EngineCoreOutputs | None, outputs: list[EngineCoreOutput],

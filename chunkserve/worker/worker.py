@@ -114,7 +114,7 @@ class Worker:
             self.kv_connector = self._default_connector()
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size, config.seed,
                                   config.op_backend, self.kv_connector, self.kv_config,
-                                  tokens_from_steps=config.ranks_take_tokens_from_steps, drafter=self.drafter)
+                                  tokens_from_steps=config.tokens_from_steps, drafter=self.drafter)
         _return_freed_memory()
 
     def _default_connector(self) -> KVConnectorWorker | None:

@@ -34,7 +34,8 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from chunkserve.config.engine import HICACHE_WRITE_POLICIES, EngineArgs
+from chunkserve.config.engine import EngineArgs
+from chunkserve.config.kv_tier import HICACHE_WRITE_POLICIES
 from chunkserve.core.kv.disk_store import BlockFiles, default_storage_dir, max_bytes_of
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorScheduler

@@ -97,7 +97,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._next_admission = 0
-        self.sent = SentToWorker(config.send_token_ids, self.pipelined)  # the worker's view of the requests
+        self.sent = SentToWorker(config.tokens_from_steps, self.pipelined)  # the worker's view of the requests
         self.remote_kv = RemoteKV(self.connector, self.kv)  # KV the connector loads, and sends after a finish
         self.drafting = DraftBudget(config, self.kv, predictor, self.grammars)
         # while the engine searches for the request that makes steps fail, only these run (the others
