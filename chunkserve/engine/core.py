@@ -17,12 +17,10 @@ import zlib
 from collections import deque
 
 from chunkserve.config.engine import EngineArgs
-from chunkserve.core.disagg.decode import DecodeConnectorScheduler
-from chunkserve.core.disagg.prefill import PrefillConnectorScheduler
-from chunkserve.core.kv.disk_tier import DiskTierScheduler
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv.snapshot import RequestSnapshot, SnapshotBlock
 from chunkserve.core.kv_connector import KVConnectorScheduler
+from chunkserve.core.kv_connector_factory import build_scheduler_side
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.output import (
     EngineCoreOutput,
@@ -81,8 +79,8 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.predictor = StepTimePredictor()
         self._fingerprint: ModelFingerprint | None = None
-        if kv_connector is None:
-            kv_connector = self._default_connector(config)
+        if kv_connector is None:  # the connector the flags ask for (the workers build its other side)
+            kv_connector = build_scheduler_side(self.engine_config.kv_connector, lambda: self.fingerprint)
         self.structured = StructuredOutputManager(self._load_tokenizer, self.model_config.vocab_size)
         self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector,
                                    structured=self.structured)
@@ -99,17 +97,6 @@ class EngineCore:
             self._profile_step_time()
         logger.info("engine core ready: %s in %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_config.architecture, config.dtype, num_blocks, config.block_size, self.max_model_len)
-
-    def _default_connector(self, config: EngineArgs) -> KVConnectorScheduler | None:
-        """The scheduler's side of the connector the flags ask for (the workers build its other side)."""
-        if config.enable_hierarchical_cache:
-            return DiskTierScheduler.from_args(config, self.fingerprint)
-        if config.disaggregation_mode == "prefill":
-            return PrefillConnectorScheduler(config.block_size, config.disaggregation_bootstrap_timeout,
-                                             config.disaggregation_kv_lease_timeout)
-        if config.disaggregation_mode == "decode":
-            return DecodeConnectorScheduler(config.block_size, config.disaggregation_waiting_timeout)
-        return None
 
     def _load_tokenizer(self):
         """The model's tokenizer, for the grammars (loaded by the first one, on its compile thread)."""
