@@ -20,13 +20,7 @@ from chunkserve.config.kv_connector import KVConnectorConfig
 from chunkserve.config.kv_tier import KVTierConfig
 from chunkserve.config.limits import RequestLimits
 from chunkserve.config.parallel import ParallelConfig, parse_layer_partition
-from chunkserve.config.scheduler import (
-    DEFAULT_CHUNKED_BUDGET,
-    DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_SLO_BUDGET,
-    ChunkSchedule,
-    SchedulerConfig,
-)
+from chunkserve.config.scheduler import DEFAULT_MAX_NUM_SEQS, ChunkSchedule, SchedulerConfig
 from chunkserve.config.speculative import SpeculativeConfig
 from chunkserve.config.structured_outputs import StructuredOutputsConfig
 from chunkserve.errors import InvalidRequestError
@@ -295,10 +289,7 @@ class EngineArgs:
         """The scheduler's settings, with the defaults that depend on the model's length limit resolved."""
         budget = self.max_num_batched_tokens
         if budget is None:
-            if not self.enable_chunked_prefill:
-                budget = max(max_model_len, DEFAULT_CHUNKED_BUDGET)
-            else:
-                budget = DEFAULT_SLO_BUDGET if self.tbt_slo_ms is not None else DEFAULT_CHUNKED_BUDGET
+            budget = SchedulerConfig.default_budget(max_model_len, self.enable_chunked_prefill, self.tbt_slo_ms)
         return SchedulerConfig(
             max_num_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs if self.max_num_seqs is not None else min(DEFAULT_MAX_NUM_SEQS, budget),

@@ -168,6 +168,14 @@ class SchedulerConfig:
     def chunk_alignment(self) -> int:
         return self.chunk_align or self.block_size
 
+    @staticmethod
+    def default_budget(max_model_len: int, enable_chunked_prefill: bool, tbt_slo_ms: float | None) -> int:
+        """max_num_batched_tokens when the flag leaves it out: a whole prompt without chunking;
+        under a TBT SLO the SLO sizes the steps, so the budget is only a ceiling."""
+        if not enable_chunked_prefill:
+            return max(max_model_len, DEFAULT_CHUNKED_BUDGET)
+        return DEFAULT_SLO_BUDGET if tbt_slo_ms is not None else DEFAULT_CHUNKED_BUDGET
+
 
 def _fail(message: str) -> None:
     raise InvalidRequestError(message)

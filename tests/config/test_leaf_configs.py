@@ -141,3 +141,15 @@ def test_the_pipeline_depth_and_the_token_source_come_from_the_parallel_flags():
     assert scheduler.max_steps_in_flight == args.parallel_config().max_steps_in_flight == 2
     assert scheduler.tokens_from_steps and args.tokens_from_steps  # mp: only one rank samples
     assert not EngineArgs().scheduler_config(4096).tokens_from_steps
+
+
+def test_the_budget_defaults_follow_chunking_and_the_slo():
+    def resolved(max_model_len: int = 4096, **flags) -> tuple[int, int]:
+        config = EngineArgs(**flags).scheduler_config(max_model_len)
+        return config.max_num_batched_tokens, config.max_num_seqs
+
+    assert resolved() == (512, 128)
+    assert resolved(tbt_slo_ms=50.0) == (2048, 128)
+    assert resolved(enable_chunked_prefill=False) == (4096, 128)
+    assert resolved(256, enable_chunked_prefill=False) == (512, 128)
+    assert resolved(max_num_batched_tokens=64) == (64, 64)  # max_num_seqs: at most the budget
