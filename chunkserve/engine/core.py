@@ -59,8 +59,9 @@ class EngineCore:
     def __init__(self, config: EngineArgs, executor: Executor | None = None,
                  kv_connector: KVConnectorScheduler | None = None) -> None:
         """`kv_connector`: the scheduler's side of a KV connector (its worker side goes to the
-        executor's workers); none moves no KV, unless `enable_hierarchical_cache` asks for the
-        disk tier (whose worker side the workers build)."""
+        executor's workers); none: the connector the flags configure, if any (the disk tier or a
+        side of disaggregation, from core/kv_connector_factory.py's table; the workers build its
+        worker side from the same row)."""
         self.config = config
         self.executor = executor or make_executor(config)
         try:
