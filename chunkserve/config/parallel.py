@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from chunkserve.config.fields import arg
 from chunkserve.errors import InvalidRequestError
 
 # the control socket (scheduler outputs to the workers, their results back) listens this far above
@@ -18,13 +19,25 @@ CONTROL_PORT_OFFSET = 1
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29501
-    pp_layer_partition: tuple[int, ...] | None = None  # layers per stage, first stage first
+    tensor_parallel_size: int = arg(
+        1, "tensor-parallel ranks: each holds its share of every layer's heads and MLP columns (one all-reduce "
+        "after the attention and one after the MLP of every layer)", aliases=("-tp", "--tp", "--tp-size")
+    )
+    pipeline_parallel_size: int = arg(
+        1, "pipeline stages: each runs a consecutive share of the layers, up to this many steps in flight",
+        aliases=("-pp", "--pp", "--pp-size")
+    )
+    nnodes: int = arg(1, "machines the ranks are spread over (each runs tp x pp / nnodes of them)")
+    node_rank: int = arg(0, "this machine's index among --nnodes; node 0 runs the engine, the others --headless")
+    master_addr: str = arg(
+        "127.0.0.1", "node 0's address: torch.distributed's store listens on --master-port there, the engine's "
+        "control socket on --master-port + 1"
+    )
+    master_port: int = arg(29501, "node 0's torch.distributed store port (the control socket takes the next one)")
+    pp_layer_partition: tuple[int, ...] | None = arg(
+        None, "layers per pipeline stage, comma-separated, first stage first (e.g. 12,18; default: as even as "
+        "possible)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
@@ -50,6 +63,12 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def max_steps_in_flight(self) -> int:
+        """The pipeline's depth: each stage holds one step, so up to this many are in flight (the
+        engine core, its executor and the scheduler all read it from here)."""
+        return self.pipeline_parallel_size
 
     @property
     def ranks_per_node(self) -> int:

@@ -11,10 +11,10 @@ extra step time the step-time model predicts for them (under load, drafting turn
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from chunkserve.config.fields import parse_json_object
 from chunkserve.errors import InvalidRequestError
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -37,17 +37,8 @@ class SpeculativeConfig:
         """From `--speculative-config`'s JSON text, or the same as a dict (the Python API)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise InvalidRequestError(f"speculative_config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise InvalidRequestError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "policy"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidRequestError(f"speculative_config has unknown key(s) {unknown}; known: {sorted(known)}")
+        value = parse_json_object("speculative_config", value, {
+            "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "policy"})
         method = value.get("method")
         if method not in SPECULATIVE_METHODS:
             raise InvalidRequestError(f"speculative_config method must be one of {SPECULATIVE_METHODS}, got {method!r}")

@@ -10,10 +10,10 @@ for every request: a request turns either on for itself, not off.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from chunkserve.config.fields import parse_json_object
 from chunkserve.errors import InvalidRequestError
 
 BACKENDS = ("auto", "guidance", "llguidance")  # all mean llguidance
@@ -36,18 +36,9 @@ class StructuredOutputsConfig:
             return cls()
         if isinstance(value, StructuredOutputsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise InvalidRequestError(f"structured_outputs_config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise InvalidRequestError(f"structured_outputs_config must be a JSON object, got {type(value).__name__}")
-        known = {"backend", "disable_any_whitespace", "disable_additional_properties", "disable_fallback",
-                 *_REASONING_KEYS}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidRequestError(f"structured_outputs_config has unknown key(s) {unknown}; known: {sorted(known)}")
+        value = parse_json_object("structured_outputs_config", value, {
+            "backend", "disable_any_whitespace", "disable_additional_properties", "disable_fallback",
+            *_REASONING_KEYS})
         for key, default in _REASONING_KEYS.items():
             if value.get(key, default) != default:
                 raise InvalidRequestError(f"structured_outputs_config {key} is not supported: there are no reasoning "

@@ -17,13 +17,10 @@ import zlib
 from collections import deque
 
 from chunkserve.config.engine import EngineArgs
-from chunkserve.config.scheduler import SchedulerConfig
-from chunkserve.core.disagg.decode import DecodeConnectorScheduler
-from chunkserve.core.disagg.prefill import PrefillConnectorScheduler
-from chunkserve.core.kv.disk_tier import DiskTierScheduler
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv.snapshot import RequestSnapshot, SnapshotBlock
 from chunkserve.core.kv_connector import KVConnectorScheduler
+from chunkserve.core.kv_connector_factory import build_scheduler_side
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.output import (
     EngineCoreOutput,
@@ -62,8 +59,9 @@ class EngineCore:
     def __init__(self, config: EngineArgs, executor: Executor | None = None,
                  kv_connector: KVConnectorScheduler | None = None) -> None:
         """`kv_connector`: the scheduler's side of a KV connector (its worker side goes to the
-        executor's workers); none moves no KV, unless `enable_hierarchical_cache` asks for the
-        disk tier (whose worker side the workers build)."""
+        executor's workers); none: the connector the flags configure, if any (the disk tier or a
+        side of disaggregation, from core/kv_connector_factory.py's table; the workers build its
+        worker side from the same row)."""
         self.config = config
         self.executor = executor or make_executor(config)
         try:
@@ -76,14 +74,14 @@ class EngineCore:
         self.model_config: ModelConfig = self.executor.model_config
         num_blocks = self.executor.determine_num_kv_blocks()
         self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks)
-        self.scheduler_config = config.scheduler_config(self.max_model_len)
-        check_budget(self.scheduler_config)
+        self.engine_config = config.create_engine_config(self.max_model_len)
+        self.scheduler_config = self.engine_config.scheduler
         self.executor.load_model(self.max_model_len)
         self.executor.initialize_kv_cache(num_blocks)
         self.predictor = StepTimePredictor()
         self._fingerprint: ModelFingerprint | None = None
-        if kv_connector is None:
-            kv_connector = self._default_connector(config)
+        if kv_connector is None:  # the connector the flags ask for (the workers build its other side)
+            kv_connector = build_scheduler_side(self.engine_config.kv_connector, lambda: self.fingerprint)
         self.structured = StructuredOutputManager(self._load_tokenizer, self.model_config.vocab_size)
         self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector,
                                    structured=self.structured)
@@ -100,17 +98,6 @@ class EngineCore:
             self._profile_step_time()
         logger.info("engine core ready: %s in %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_config.architecture, config.dtype, num_blocks, config.block_size, self.max_model_len)
-
-    def _default_connector(self, config: EngineArgs) -> KVConnectorScheduler | None:
-        """The scheduler's side of the connector the flags ask for (the workers build its other side)."""
-        if config.enable_hierarchical_cache:
-            return DiskTierScheduler.from_args(config, self.fingerprint)
-        if config.disaggregation_mode == "prefill":
-            return PrefillConnectorScheduler(config.block_size, config.disaggregation_bootstrap_timeout,
-                                             config.disaggregation_kv_lease_timeout)
-        if config.disaggregation_mode == "decode":
-            return DecodeConnectorScheduler(config.block_size, config.disaggregation_waiting_timeout)
-        return None
 
     def _load_tokenizer(self):
         """The model's tokenizer, for the grammars (loaded by the first one, on its compile thread)."""
@@ -277,7 +264,7 @@ class EngineCore:
         then no outputs and no record, but fresh stats). A step the executor fails is void and
         fails only the requests found to cause it (triage.py); the others run again."""
         failed = self.scheduler.take_grammar_failures()
-        if self.executor.max_concurrent_batches > 1:
+        if self.scheduler_config.max_steps_in_flight > 1:
             return _with_outputs(self._step_pipelined(), failed, self.scheduler)
         start_wall, start = time.time(), time.perf_counter()
         margin = self.predictor.margin
@@ -515,19 +502,6 @@ def resolve_max_model_len(config: EngineArgs, model_config: ModelConfig, num_blo
             "or num_kv_blocks"
         )
     return requested
-
-
-def check_budget(config: SchedulerConfig) -> None:
-    if config.max_num_batched_tokens < config.max_num_seqs:
-        raise InvalidRequestError(
-            f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_num_seqs "
-            f"({config.max_num_seqs}), so every running decode fits in a step"
-        )
-    if not config.enable_chunked_prefill and config.max_num_batched_tokens < config.max_model_len:
-        raise InvalidRequestError(
-            f"with chunked prefill off a whole prompt must fit one step: max_num_batched_tokens "
-            f"({config.max_num_batched_tokens}) must be at least max_model_len ({config.max_model_len})"
-        )
 
 
 def _with_outputs(step: EngineCoreOutputs | None, outputs: list[EngineCoreOutput],

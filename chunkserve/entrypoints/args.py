@@ -9,13 +9,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from chunkserve.config.engine import arg
+from chunkserve.config.fields import arg
 from chunkserve.entrypoints.server.tool_parsers import TOOL_PARSERS
 from chunkserve.errors import InvalidRequestError
 
 
 def add_cli_args(args_class: type, parser: argparse.ArgumentParser) -> None:
-    """One flag per field of the dataclass `args_class`, with the help text of its `arg` metadata.
+    """One flag per field of the dataclass `args_class`, with the help text of its `arg` metadata
+    (an EngineArgs field of a leaf config's flag carries the leaf field's: config/fields.py `flag_of`).
     Reads the annotations as strings (every config module uses `from __future__ import annotations`)."""
     for f in dataclasses.fields(args_class):
         flag = "--" + f.name.replace("_", "-")

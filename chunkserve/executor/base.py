@@ -35,7 +35,8 @@ class Executor(ABC):
 
     @property
     def max_concurrent_batches(self) -> int:
-        """Steps that may be in flight at once (a pipeline's stages); 1: one at a time."""
+        """Steps that may be in flight at once: ParallelConfig.max_steps_in_flight where the executor
+        runs a pipeline (the scheduler reads the same value); 1: one at a time."""
         return 1
 
     def submit(self, scheduler_output: SchedulerOutput) -> StepHandle:

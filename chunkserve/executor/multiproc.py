@@ -128,7 +128,7 @@ class MultiprocExecutor(Executor):
 
     @property
     def max_concurrent_batches(self) -> int:
-        return self.parallel.pipeline_parallel_size
+        return self.parallel.max_steps_in_flight
 
     def set_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         self._failure_callback = callback

@@ -22,11 +22,12 @@ import itertools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from chunkserve.config.engine import EngineArgs
+from chunkserve.config.kv_connector import KVConnectorConfig
 from chunkserve.core.kv.disk_store import BlockFiles, ReadResult
 from chunkserve.core.kv.disk_tier import DiskTierMetadata, DiskTierOutput, LoadReport, block_files_of
 from chunkserve.core.kv.layout import ModelFingerprint
@@ -66,8 +67,8 @@ class DiskTierWorker(KVConnectorWorker):
         self._thread.start()
 
     @classmethod
-    def from_args(cls, args: EngineArgs, fingerprint: ModelFingerprint) -> DiskTierWorker:
-        return cls(block_files_of(args, fingerprint))
+    def from_config(cls, config: KVConnectorConfig, fingerprint: Callable[[], ModelFingerprint]) -> DiskTierWorker:
+        return cls(block_files_of(config.kv_tier, fingerprint()))
 
     # ----- the worker's verbs ---------------------------------------------------------------
 

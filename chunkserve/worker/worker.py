@@ -19,6 +19,7 @@ from chunkserve.config.model import ModelSource, resolve_model
 from chunkserve.config.parallel import store_prefix
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorWorker
+from chunkserve.core.kv_connector_factory import build_worker_side
 from chunkserve.core.sched.output import (
     ModelRunnerOutput,
     NewRequestData,
@@ -34,9 +35,6 @@ from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import TORCH_DTYPES, load_model, load_model_config
 from chunkserve.model.parallel import ParallelContext
 from chunkserve.sampling_params import SamplingParams
-from chunkserve.worker.disagg.decode import DecodeConnectorWorker
-from chunkserve.worker.disagg.prefill import PrefillConnectorWorker
-from chunkserve.worker.disk_tier import DiskTierWorker
 from chunkserve.worker.draft_model import DraftModelProposer
 from chunkserve.worker.kv_cache import kv_bytes_per_token, num_blocks_for_memory
 from chunkserve.worker.model_runner import ModelRunner
@@ -110,23 +108,12 @@ class Worker:
         assert self.model is not None, "load_model first"
         config = self.config
         self.num_blocks = num_blocks
-        if self.kv_connector is None:
-            self.kv_connector = self._default_connector()
+        if self.kv_connector is None:  # the connector the flags ask for (the engine core builds its other side)
+            self.kv_connector = build_worker_side(config.kv_connector_config(), self.kv_fingerprint)
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size, config.seed,
                                   config.op_backend, self.kv_connector, self.kv_config,
-                                  tokens_from_steps=config.ranks_take_tokens_from_steps, drafter=self.drafter)
+                                  tokens_from_steps=config.tokens_from_steps, drafter=self.drafter)
         _return_freed_memory()
-
-    def _default_connector(self) -> KVConnectorWorker | None:
-        """The worker's side of the connector the flags ask for (the engine core builds its other side)."""
-        config = self.config
-        if config.enable_hierarchical_cache:
-            return DiskTierWorker.from_args(config, self.kv_fingerprint())
-        if config.disaggregation_mode == "prefill":
-            return PrefillConnectorWorker.from_args(config, self.kv_fingerprint())
-        if config.disaggregation_mode == "decode":
-            return DecodeConnectorWorker.from_args(config, self.kv_fingerprint())
-        return None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """The runner's output, with this rank's compute and communication for the step."""

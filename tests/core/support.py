@@ -24,8 +24,19 @@ def make_scheduler(num_blocks: int = 1000, predictor=None, clock=None, kv_connec
                    **overrides) -> Scheduler:
     config = dict(max_num_batched_tokens=32, max_num_seqs=16, max_model_len=4000, block_size=BLOCK)
     config.update(overrides)
-    return Scheduler(SchedulerConfig(**config), num_blocks, predictor, **({"clock": clock} if clock else {}),
+    return Scheduler(unchecked_scheduler_config(**config), num_blocks, predictor, **({"clock": clock} if clock else {}),
                      kv_connector=kv_connector, structured=structured)
+
+
+def unchecked_scheduler_config(**fields) -> SchedulerConfig:
+    """A SchedulerConfig built without its checks: these tests also pin the scheduler's behaviour
+    on budgets the engine refuses (below max_num_seqs or one block, a whole prompt that does not
+    fit a step without chunking)."""
+    config = object.__new__(SchedulerConfig)
+    for f in dataclasses.fields(SchedulerConfig):
+        object.__setattr__(config, f.name, fields.pop(f.name) if f.name in fields else f.default)
+    assert not fields, f"SchedulerConfig has no fields {sorted(fields)}"
+    return config
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, priority: int = 0,

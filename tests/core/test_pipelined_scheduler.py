@@ -77,7 +77,7 @@ def test_pipelined_outputs_equal_one_step_at_a_time_under_chunking_and_preemptio
         spec = workload(seed)
         expected = run(make_scheduler(num_blocks=num_blocks), fresh(spec))
         for depth in (2, 3):
-            scheduler = make_scheduler(num_blocks=num_blocks, max_steps_in_flight=depth, send_token_ids=True)
+            scheduler = make_scheduler(num_blocks=num_blocks, max_steps_in_flight=depth, tokens_from_steps=True)
             assert run_pipelined(scheduler, fresh(spec), depth) == expected
             if num_blocks < 100:
                 assert scheduler.num_preemptions > 0, "the small pool was meant to preempt"
@@ -93,7 +93,7 @@ def test_no_request_waits_on_its_token_in_two_steps_and_chunks_ride_consecutive_
         steps.append([s.request_id for s in output.scheduled])
 
     requests = fresh([(f"d{i}", 5, 30) for i in range(3)]) + fresh([("long", 200, 2)])
-    run_pipelined(make_scheduler(max_num_batched_tokens=32, max_steps_in_flight=2, send_token_ids=True),
+    run_pipelined(make_scheduler(max_num_batched_tokens=32, max_steps_in_flight=2, tokens_from_steps=True),
                   requests, 2, on_step)
     with_long = [i for i, ids in enumerate(steps) if "long" in ids]
     chunk_steps = with_long[:-1]  # the last one samples; the token comes back before its next step
@@ -105,7 +105,7 @@ def test_no_request_waits_on_its_token_in_two_steps_and_chunks_ride_consecutive_
 def test_voided_steps_in_flight_roll_back_and_run_again():
     spec = workload(3, 12)
     expected = run(make_scheduler(), fresh(spec))
-    scheduler = make_scheduler(max_steps_in_flight=2, send_token_ids=True)
+    scheduler = make_scheduler(max_steps_in_flight=2, tokens_from_steps=True)
     runner = TokensFromStepsRunner()
     requests = fresh(spec)
     for request in requests:
@@ -128,7 +128,7 @@ def test_voided_steps_in_flight_roll_back_and_run_again():
 
 
 def test_abort_and_preemption_with_steps_in_flight_return_every_block():
-    scheduler = make_scheduler(num_blocks=30, max_steps_in_flight=2, send_token_ids=True)
+    scheduler = make_scheduler(num_blocks=30, max_steps_in_flight=2, tokens_from_steps=True)
     runner = TokensFromStepsRunner()
     requests = fresh(workload(4, 10))
     for request in requests:
@@ -154,7 +154,7 @@ def test_abort_and_preemption_with_steps_in_flight_return_every_block():
 
 
 def test_a_reused_request_id_ignores_the_old_requests_step_in_flight():
-    scheduler = make_scheduler(max_steps_in_flight=2, send_token_ids=True)
+    scheduler = make_scheduler(max_steps_in_flight=2, tokens_from_steps=True)
     runner = TokensFromStepsRunner()
     old = make_request("a", 40, max_tokens=4)
     scheduler.add_request(old)

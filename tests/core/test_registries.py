@@ -145,7 +145,7 @@ FEATURES = {  # name -> (scheduler overrides, pipeline depth)
     "chunked": ({"max_num_batched_tokens": 12}, 1),
     "ngram": ({"speculative": NGRAM}, 1),
     "draft_model": ({"speculative": DRAFT_MODEL}, 1),
-    "pipelined": ({"max_steps_in_flight": 2, "send_token_ids": True}, 2),
+    "pipelined": ({"max_steps_in_flight": 2, "tokens_from_steps": True}, 2),
     "failing_steps": ({}, 1),  # every FAIL_EVERY-th step fails: what it carried is sent again
     "kv_connector": ({}, 1),
     "structured": ({}, 1),

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from chunkserve.config.kv_connector import KVConnectorConfig
 from chunkserve.core.disagg.protocol import (
     DecodeMetadata,
     DecodeOutput,
@@ -33,6 +34,7 @@ from chunkserve.core.disagg.protocol import (
     TransferParams,
     prompt_digest,
 )
+from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorScheduler
 from chunkserve.core.request import Request
 from chunkserve.core.sched.output import RECENT_LATENCIES, KVTransferStats, SchedulerOutput
@@ -64,6 +66,12 @@ class DecodeConnectorScheduler(KVConnectorScheduler):
         self._first: dict[str, FirstToken] = {}
         self._bytes = self._transfers = self._failures = self._late_messages = 0
         self._latencies: deque[float] = deque(maxlen=RECENT_LATENCIES)
+
+    @classmethod
+    def from_config(cls, config: KVConnectorConfig,
+                    fingerprint: Callable[[], ModelFingerprint]) -> DecodeConnectorScheduler:
+        """(The fingerprint is the worker side's business: the bootstrap checks it.)"""
+        return cls(config.block_size, config.disaggregation.disaggregation_waiting_timeout)
 
     # ----- the scheduler's verbs --------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from chunkserve.config.kv_connector import KVConnectorConfig
 from chunkserve.core.disagg.protocol import (
     Bootstrap,
     BlockSend,
@@ -32,6 +33,7 @@ from chunkserve.core.disagg.protocol import (
     PrefillOutput,
     prompt_digest,
 )
+from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorScheduler
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.output import RECENT_LATENCIES, KVTransferStats, SchedulerOutput
@@ -79,6 +81,14 @@ class PrefillConnectorScheduler(KVConnectorScheduler):
         self._unconfirmed: set[str] = set()  # final messages listed, not yet reported handed to the socket
         self._bytes = self._transfers = self._failures = 0
         self._latencies: deque[float] = deque(maxlen=RECENT_LATENCIES)
+
+    @classmethod
+    def from_config(cls, config: KVConnectorConfig,
+                    fingerprint: Callable[[], ModelFingerprint]) -> PrefillConnectorScheduler:
+        """(The fingerprint is the worker side's business: the bootstrap checks it.)"""
+        disaggregation = config.disaggregation
+        return cls(config.block_size, disaggregation.disaggregation_bootstrap_timeout,
+                   disaggregation.disaggregation_kv_lease_timeout)
 
     # ----- the scheduler's verbs --------------------------------------------------------------
 

@@ -32,9 +32,11 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from chunkserve.config.engine import HICACHE_WRITE_POLICIES, EngineArgs
+from chunkserve.config.kv_connector import KVConnectorConfig
+from chunkserve.config.kv_tier import HICACHE_WRITE_POLICIES, KVTierConfig
 from chunkserve.core.kv.disk_store import BlockFiles, default_storage_dir, max_bytes_of
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorScheduler
@@ -114,9 +116,10 @@ class DiskTierScheduler(KVConnectorScheduler):
                     f"; {found_files - len(self._index)} removed to fit" if len(self._index) < found_files else "")
 
     @classmethod
-    def from_args(cls, args: EngineArgs, fingerprint: ModelFingerprint) -> DiskTierScheduler:
-        return cls(block_files_of(args, fingerprint), max_bytes_of(args.hicache_storage_max_gb),
-                   args.hicache_write_policy)
+    def from_config(cls, config: KVConnectorConfig, fingerprint: Callable[[], ModelFingerprint]) -> DiskTierScheduler:
+        tier = config.kv_tier
+        return cls(block_files_of(tier, fingerprint()), max_bytes_of(tier.hicache_storage_max_gb),
+                   tier.hicache_write_policy)
 
     # ----- the scheduler's verbs ------------------------------------------------------------
 
@@ -266,9 +269,9 @@ class DiskTierScheduler(KVConnectorScheduler):
             self.files.remove(block_hash)
 
 
-def block_files_of(args: EngineArgs, fingerprint: ModelFingerprint) -> BlockFiles:
+def block_files_of(config: KVTierConfig, fingerprint: ModelFingerprint) -> BlockFiles:
     """The engine's block files (the folder is created here, so a bad directory fails at start)."""
-    root = os.path.abspath(os.path.expanduser(args.hicache_storage_dir or default_storage_dir()))
+    root = os.path.abspath(os.path.expanduser(config.hicache_storage_dir or default_storage_dir()))
     files = BlockFiles(root, fingerprint)
     try:
         os.makedirs(files.folder, exist_ok=True)

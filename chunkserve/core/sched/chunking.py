@@ -19,10 +19,10 @@ request's tokens the step takes. The limits, in order:
   (a budget of one block beside a decode), the chunk takes that room, cut at any token as
   vLLM cuts.
 
-The starvation guard belongs to the same policy: under a TBT SLO the decodes alone may fill
-a step, and a prompt would then never get a token. One prompt per step that has had no
-tokens for longer than `max_prefill_wait_ms` gets one aligned chunk past the SLO (the step
-record's `prefill_wait_guard`).
+The prefill-wait guard (a starvation guard) belongs to the same policy: under a TBT SLO the
+decodes alone may fill a step, and a prompt would then never get a token. One prompt per step
+that has had no tokens for longer than `max_prefill_wait_ms` gets one aligned chunk past the
+SLO (`prefill_wait_guard`, on the chunk, the step and its record).
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Chunk:
     num_tokens: int  # 0: nothing this step
-    past_slo: bool = False  # granted by the starvation guard beyond the TBT SLO
+    prefill_wait_guard: bool = False  # granted by the prefill-wait guard beyond the TBT SLO
 
 
 class ChunkPolicy:
-    """Sizes prompt chunks (see the module docstring) and keeps the starvation guard's clock:
+    """Sizes prompt chunks (see the module docstring) and keeps the prefill-wait guard's clock:
     when each prompt last got tokens (or arrived)."""
 
     def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None) -> None:
@@ -79,8 +79,9 @@ class ChunkPolicy:
         num_tokens = self._cut(remaining, start, min(limit, slo_limit), step.num_rows)
         if num_tokens == 0 and slo_limit >= limit > 0 and config.enable_chunked_prefill:
             return Chunk(limit)  # no block boundary within the room: unaligned, rather than never
-        if num_tokens == 0 and slo_limit < limit and self._starving(request, step):
-            return Chunk(self._cut(remaining, start, min(limit, config.chunk_alignment), step.num_rows), past_slo=True)
+        if num_tokens == 0 and slo_limit < limit and self._prefill_wait_guard_fires(request, step):
+            return Chunk(self._cut(remaining, start, min(limit, config.chunk_alignment), step.num_rows),
+                         prefill_wait_guard=True)
         return Chunk(num_tokens)
 
     def _cut(self, remaining: int, start: int, limit: int, rows_before: int) -> int:
@@ -114,11 +115,11 @@ class ChunkPolicy:
             low, high = (middle, high) if fits(middle) else (low, middle)
         return low
 
-    def _starving(self, request: Request, step: StepBuilder) -> bool:
-        """The starvation guard fires for at most one prompt per step, one that got no tokens
+    def _prefill_wait_guard_fires(self, request: Request, step: StepBuilder) -> bool:
+        """The prefill-wait guard fires for at most one prompt per step, one that got no tokens
         for longer than `max_prefill_wait_ms`."""
         waited = step.now - self._last_progress[request.request_id]
-        return not step.past_slo and waited * 1000 > self.config.max_prefill_wait_ms
+        return not step.prefill_wait_guard and waited * 1000 > self.config.max_prefill_wait_ms
 
 
 def align_chunk(num_tokens: int, rows_before: int, align: int, block_size: int) -> int:

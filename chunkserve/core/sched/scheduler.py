@@ -97,7 +97,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._next_admission = 0
-        self.sent = SentToWorker(config.send_token_ids, self.pipelined)  # the worker's view of the requests
+        self.sent = SentToWorker(config.tokens_from_steps, self.pipelined)  # the worker's view of the requests
         self.remote_kv = RemoteKV(self.connector, self.kv)  # KV the connector loads, and sends after a finish
         self.drafting = DraftBudget(config, self.kv, predictor, self.grammars)
         # while the engine searches for the request that makes steps fail, only these run (the others
@@ -258,7 +258,7 @@ class Scheduler:
             prefix_cache_queries=step.prefix_cache_queries,
             prefix_cache_hits=step.prefix_cache_hits,
             predicted_duration_s=self.predictor.predict(step.shape) if self.predictor else None,
-            prefill_wait_guard=step.past_slo,
+            prefill_wait_guard=step.prefill_wait_guard,
             grammar_mask_s=mask_seconds,
         )
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
@@ -502,7 +502,7 @@ class Scheduler:
             request.first_scheduled_time = step.now
         if not request.is_decoding:
             self.chunking.track(request_id, step.now)
-            step.past_slo |= chunk.past_slo
+            step.prefill_wait_guard |= chunk.prefill_wait_guard
         new_block_ids, resets_block_table = self.sent.block_diff(request_id, self.kv.block_table(request_id))
         step.add(request, chunk.num_tokens, new_block_ids, resets_block_table, list(drafts), proposals)
         if self.pipelined:

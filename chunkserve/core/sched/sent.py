@@ -3,7 +3,7 @@
 The worker keeps each request's state (token history, block table, generator) between steps,
 so a step carries only what changed: a request the worker does not have travels whole
 (`NewRequestData`), a block table as the blocks added since the worker last saw it, the
-tokens it lacks (with `send_token_ids`: ranks that take tokens from the steps), and the ids
+tokens it lacks (with `tokens_from_steps`: ranks that take tokens from the steps), and the ids
 of requests finished since the last step, whose state the worker then drops. A step that
 fails may or may not have reached the worker, so what it carried is sent again.
 
@@ -30,14 +30,14 @@ from chunkserve.core.sched.output import (
 class SentToWorker:
     """The worker's view of every request, as the steps sent so far built it."""
 
-    def __init__(self, send_token_ids: bool, pipelined: bool) -> None:
-        self.send_token_ids = send_token_ids
+    def __init__(self, tokens_from_steps: bool, pipelined: bool) -> None:
+        self.tokens_from_steps = tokens_from_steps
         self.pipelined = pipelined
         self._blocks_sent: dict[str, int] = {}  # blocks of each request's table the worker has
         self._known_to_worker: set[str] = set()
         self._resend_as_new: set[str] = set()  # new in a step that failed: the worker may not have them
         self._finished_since_last_step: set[str] = set()
-        self._tokens_sent: dict[str, int] = {}  # with send_token_ids: tokens of each request the workers have
+        self._tokens_sent: dict[str, int] = {}  # with tokens_from_steps: tokens of each request the workers have
         # steps in flight (pipelined): each one's requests, as (the Request, its preemption count) when it was
         # scheduled: a result applies only to the same request (an id may be reused) not preempted since
         self._in_flight: dict[int, dict[str, tuple[Request, int]]] = {}
@@ -56,13 +56,13 @@ class SentToWorker:
         return table[sent or 0:], sent is None
 
     def new_requests(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request]) -> list[NewRequestData]:
-        """The scheduled requests the worker must be sent whole; with `send_token_ids`, the
+        """The scheduled requests the worker must be sent whole; with `tokens_from_steps`, the
         others get the tokens the workers lack."""
         new_requests = [_new_request_data(requests[s.request_id]) for s in scheduled
                         if s.request_id not in self._known_to_worker or s.request_id in self._resend_as_new]
         self._known_to_worker.update(r.request_id for r in new_requests)
         self._resend_as_new.difference_update(r.request_id for r in new_requests)
-        if self.send_token_ids:
+        if self.tokens_from_steps:
             self._attach_new_tokens(scheduled, requests, {r.request_id for r in new_requests})
         return new_requests
 

@@ -16,7 +16,7 @@ class StepBuilder:
         self.now = now
         self.num_rows = 0
         self.shape = StepShape()
-        self.past_slo = False  # the starvation guard gave a prompt tokens past the TBT SLO
+        self.prefill_wait_guard = False  # the prefill-wait guard gave a prompt tokens past the TBT SLO
         self.scheduled: list[ScheduledRequest] = []
         self.preempted: set[str] = set()
         self.prefix_cache_queries = 0

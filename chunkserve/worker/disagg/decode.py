@@ -22,13 +22,14 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from chunkserve.config.engine import EngineArgs
+from chunkserve.config.kv_connector import KVConnectorConfig
 from chunkserve.core.disagg.protocol import DecodeMetadata, DecodeOutput, FirstToken, Receive
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorWorker
@@ -82,9 +83,12 @@ class DecodeConnectorWorker(KVConnectorWorker):
         self._output = DecodeOutput()
 
     @classmethod
-    def from_args(cls, args: EngineArgs, fingerprint: ModelFingerprint) -> DecodeConnectorWorker:
-        return cls(fingerprint, args.disaggregation_transfer_window, args.disaggregation_heartbeat_interval,
-                   args.disaggregation_heartbeat_max_failures)
+    def from_config(cls, config: KVConnectorConfig,
+                    fingerprint: Callable[[], ModelFingerprint]) -> DecodeConnectorWorker:
+        disaggregation = config.disaggregation
+        return cls(fingerprint(), disaggregation.disaggregation_transfer_window,
+                   disaggregation.disaggregation_heartbeat_interval,
+                   disaggregation.disaggregation_heartbeat_max_failures)
 
     # ----- the worker's verbs --------------------------------------------------------------------
 

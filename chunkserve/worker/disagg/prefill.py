@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from chunkserve.config.engine import EngineArgs
+from chunkserve.config.kv_connector import KVConnectorConfig
 from chunkserve.core.disagg.protocol import Bootstrap, FirstToken, PrefillMetadata, PrefillOutput
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorWorker
@@ -69,9 +69,11 @@ class PrefillConnectorWorker(KVConnectorWorker):
         logger.info("disaggregation: prefill bootstrap on %s", self.endpoint)
 
     @classmethod
-    def from_args(cls, args: EngineArgs, fingerprint: ModelFingerprint) -> PrefillConnectorWorker:
-        return cls(fingerprint, args.disaggregation_bootstrap_host, args.disaggregation_bootstrap_port,
-                   FaultInjector.from_env())
+    def from_config(cls, config: KVConnectorConfig,
+                    fingerprint: Callable[[], ModelFingerprint]) -> PrefillConnectorWorker:
+        disaggregation = config.disaggregation
+        return cls(fingerprint(), disaggregation.disaggregation_bootstrap_host,
+                   disaggregation.disaggregation_bootstrap_port, FaultInjector.from_env())
 
     # ----- the worker's verbs --------------------------------------------------------------------
 
