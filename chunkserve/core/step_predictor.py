@@ -50,7 +50,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.messages import ScheduledRequest
+from chunkserve.core.stats import RankStepStats
 
 FEATURE_NAMES = ("constant", "prefill_rows", "decode_rows", "prefill_attention", "decode_attention", "draft_rows")
 _SCALE = np.array([1.0, 1e-3, 1e-3, 1e-6, 1e-6, 1e-3])  # keeps the normal equations well conditioned
@@ -213,6 +214,15 @@ class StepTimePredictor:
         errors = np.abs(1.0 - 1.0 / ratios)  # |p - a| / a = |1 - p / a|
         p50, p90 = np.quantile(errors, (0.5, 0.9))
         return float(p50), float(p90)
+
+
+def observed_step_seconds(rank_stats: list[RankStepStats], pipeline_stages: int, wall_s: float) -> float:
+    """What the step-time model learns from a step. One stage: its wall time. A pipeline: the
+    time between a request's tokens if every micro-batch were like this one, stages x the slowest
+    stage's own time, so that a TBT SLO sizes micro-batches that keep the stages evenly busy."""
+    if pipeline_stages == 1 or not rank_stats:
+        return wall_s
+    return pipeline_stages * max(r.stage_s for r in rank_stats)
 
 
 def _nonnegative_relative_fit(features: np.ndarray, times: np.ndarray) -> np.ndarray:

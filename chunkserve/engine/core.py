@@ -24,17 +24,11 @@ from chunkserve.core.kv.disk_tier import DiskTierScheduler
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv.snapshot import RequestSnapshot, SnapshotBlock
 from chunkserve.core.kv_connector import KVConnectorScheduler
+from chunkserve.core.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.output import (
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    SchedulerStats,
-    hit_rate,
-    observed_step_seconds,
-)
 from chunkserve.core.sched.scheduler import Scheduler
-from chunkserve.core.step_predictor import StepShape, StepTimePredictor
+from chunkserve.core.stats import SchedulerStats, hit_rate
+from chunkserve.core.step_predictor import StepShape, StepTimePredictor, observed_step_seconds
 from chunkserve.core.structured.manager import StructuredOutputManager
 from chunkserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from chunkserve.engine.outputs import StepRecord

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput
 from chunkserve.model.config import ModelConfig
 
 

@@ -39,7 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import resolve_model
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput
 from chunkserve.errors import EngineDeadError, RequestFailedError
 from chunkserve.executor.base import Executor, StepHandle
 from chunkserve.config.parallel import under_torchrun

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from chunkserve.core.sched.output import TokenLogprobs
+from chunkserve.core.messages import TokenLogprobs
 from chunkserve.sampling_params import SamplingParams
 
 

@@ -17,8 +17,8 @@ import pytest
 
 from chunkserve.config.model import resolve_model
 from chunkserve.config.speculative import SpeculativeConfig
+from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.sched.scheduler import NEXT_STEP_MESSAGE, Scheduler
 from chunkserve.core.structured.manager import StructuredOutputManager
 from chunkserve.sampling_params import SamplingParams, StructuredOutputsParams

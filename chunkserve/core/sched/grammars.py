@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
+from chunkserve.core.messages import ScheduledRequest
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.output import ScheduledRequest
 from chunkserve.core.structured.manager import GrammarError, StructuredOutputManager
 from chunkserve.errors import InvalidRequestError
 

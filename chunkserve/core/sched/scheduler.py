@@ -57,11 +57,11 @@ from collections.abc import Callable, Iterable
 from chunkserve.config.scheduler import SchedulerConfig
 from chunkserve.core.kv.kv_cache_manager import KVCacheManager
 from chunkserve.core.kv_connector import KVConnectorScheduler, NoOpConnector
+from chunkserve.core.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.admission import Admission, AdmissionPolicy
 from chunkserve.core.sched.chunking import Chunk, ChunkPolicy
 from chunkserve.core.sched.grammars import Grammars
-from chunkserve.core.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from chunkserve.core.sched.preemption import pick_victim
 from chunkserve.core.sched.remote_kv import RemoteKV
 from chunkserve.core.sched.sent import SentToWorker
@@ -69,6 +69,7 @@ from chunkserve.core.sched.step_builder import StepBuilder
 from chunkserve.core.spec.drafts import DraftBudget
 from chunkserve.core.spec.ngram import NgramProposer
 from chunkserve.core.spec.policy import DraftPolicy
+from chunkserve.core.stats import SchedulerStats
 from chunkserve.core.step_predictor import StepTimePredictor
 from chunkserve.core.stop import check_stop
 from chunkserve.core.structured.manager import StructuredOutputManager

@@ -19,12 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from chunkserve.core.messages import NewRequestData, ScheduledRequest, SchedulerOutput
 from chunkserve.core.request import Request
-from chunkserve.core.sched.output import (
-    NewRequestData,
-    ScheduledRequest,
-    SchedulerOutput,
-)
 
 
 class SentToWorker:

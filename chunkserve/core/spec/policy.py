@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chunkserve.config.speculative import SpeculativeConfig
-from chunkserve.core.sched.output import SpecDecodeStats
+from chunkserve.core.stats import SpecDecodeStats
 from chunkserve.core.step_predictor import StepShape, StepTimePredictor
 
 DECAY = 0.8  # weight of a request's older acceptance counts at each new observation
