@@ -42,7 +42,7 @@ the accepted tokens only, and a grammar that is complete finishes its request.
 
 This class is the loop; what a request needs beyond its counters lives with the collaborator
 that uses it: what the worker has been sent (sent.py), the KV the connector loads or still
-sends (remote_kv.py), draft budgets and acceptance rates (core/spec/drafts.py), grammars
+sends (remote_kv.py), draft budgets and acceptance rates (core/spec_decode/drafts.py), grammars
 (grammars.py), the chunk policy's clock, the KV manager's tables. Finishing a request asks each
 owner to forget it; `registry_sizes()` counts every table keyed by request id, and the engine's
 self-check reports any left non-empty when nothing is unfinished (a leak).
@@ -66,9 +66,9 @@ from chunkserve.core.sched.preemption import pick_victim
 from chunkserve.core.sched.remote_kv import RemoteKV
 from chunkserve.core.sched.sent import SentToWorker
 from chunkserve.core.sched.step_builder import StepBuilder
-from chunkserve.core.spec.drafts import DraftBudget
-from chunkserve.core.spec.ngram import NgramProposer
-from chunkserve.core.spec.policy import DraftPolicy
+from chunkserve.core.spec_decode.drafts import DraftBudget
+from chunkserve.core.spec_decode.ngram import NgramProposer
+from chunkserve.core.spec_decode.policy import DraftPolicy
 from chunkserve.core.stats import SchedulerStats
 from chunkserve.core.step_predictor import StepTimePredictor
 from chunkserve.core.stop import check_stop
