@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from chunkserve.core.stats import RankStepStats
 from chunkserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from chunkserve.core.request import Request
 
 
 class ForwardMode(str, enum.Enum):
@@ -163,3 +166,11 @@ class EngineCoreOutput(NamedTuple):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @classmethod
+    def of(cls, request: Request, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None = None,
+           new_prompt_logprobs: list[TokenLogprobs | None] | None = None) -> EngineCoreOutput:
+        """The request's new tokens, with where it stands now (finished or not, and why)."""
+        return cls(request.request_id, new_token_ids, new_logprobs, request.status.finish_reason, request.stop_reason,
+                   request.num_cached_tokens or 0, request.num_preemptions, request.first_scheduled_time,
+                   new_prompt_logprobs=new_prompt_logprobs)

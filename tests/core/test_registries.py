@@ -189,7 +189,6 @@ def drive(scheduler: Scheduler, runner: FakeRunner, requests: list[Request], dep
     for count in range(1, max_steps):
         if not scheduler.has_unfinished_requests() and not in_flight:
             break
-        scheduler.take_grammar_failures()
         if on_step:
             on_step(scheduler)
         while len(in_flight) < depth:

@@ -87,6 +87,11 @@ class SentToWorker:
     def is_awaiting_token(self, request_id: str) -> bool:
         return request_id in self._awaiting_token
 
+    @property
+    def has_steps_in_flight(self) -> bool:
+        """Pipelined: a step that scheduled requests is still out (its tokens are to come)."""
+        return bool(self._in_flight)
+
     def step_sent(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> None:
         """Pipelined: remember who `output` scheduled, as they are now."""
         if self.pipelined and output.scheduled:
