@@ -15,6 +15,7 @@ import os
 import time
 import zlib
 from collections import deque
+from collections.abc import Sequence
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.scheduler import SchedulerConfig
@@ -362,7 +363,7 @@ class EngineCore:
         return EngineCoreOutputs(outputs, time.time(), record, stats)
 
     def _void_step(self, scheduled: SchedulerOutput, error: Exception,
-                   later: list[SchedulerOutput] = ()) -> EngineCoreOutputs | None:
+                   later: Sequence[SchedulerOutput] = ()) -> EngineCoreOutputs | None:
         """The step (and, pipelined, the `later` ones in flight behind it) failed: void them, fail
         the requests that caused it (or, unknown, start or narrow the triage's search)."""
         for step in [*reversed(later), scheduled]:
