@@ -59,7 +59,7 @@ from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteri
 
 from chunkserve import LLM, RequestOutput, SamplingParams
 from chunkserve.config.model import resolve_model
-from chunkserve.core.sched.output import ForwardMode
+from chunkserve.core.messages import ForwardMode
 from chunkserve.model.config import ModelConfig
 
 TOKEN_ID_RANGE = (100, 40000)

@@ -21,7 +21,7 @@ import torch
 from support import add_smoke_flag, timed  # benchmarks/support.py
 
 from chunkserve.attention.paged import paged_attention
-from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.messages import ScheduledRequest
 from chunkserve.core.step_predictor import chunk_attention
 from chunkserve.ops.cpp_ops import build_cpp_ops
 from chunkserve.worker.input_batch import build_forward_batch

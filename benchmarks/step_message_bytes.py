@@ -101,7 +101,7 @@ def measure(tokenizer, model_config, num_requests: int, prompt_len: int, output_
 
 
 def _fake_logprobs(token_id: int, k: int):
-    from chunkserve.core.sched.output import TokenLogprobs
+    from chunkserve.core.messages import TokenLogprobs
 
     return TokenLogprobs(token_id, -0.5, [(token_id + i, -0.5 - i) for i in range(k)])
 

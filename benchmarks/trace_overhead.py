@@ -20,7 +20,8 @@ import time
 
 from support import add_smoke_flag  # benchmarks/support.py
 
-from chunkserve.core.sched.output import ForwardMode, SchedulerStats
+from chunkserve.core.messages import ForwardMode
+from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.outputs import StepRecord
 from chunkserve.entrypoints.server.trace import StepTraceWriter
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.messages import ScheduledRequest
 from chunkserve.ops.cpp_ops import model_ops_for
 from chunkserve.worker.input_batch import build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_cache

@@ -55,8 +55,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from chunkserve.core.messages import TokenLogprobs
 from chunkserve.core.request import Request
-from chunkserve.core.sched.output import TokenLogprobs
 
 
 class KVConnectorScheduler:

@@ -21,20 +21,19 @@ SLO is a P99 of the decodes' gaps, and each step is one gap of every decode: a m
 lower quantile leaves the slowest steps, which come in bursts of the host, over the SLO
 (docs/benchmarks-log.md, adaptive chunking).
 
-A p99 over a thousand steps still cannot see a burst coming: while the host runs 20% slow for
+A p99 over a thousand steps still cannot see a burst coming: while the host runs slow for
 a few seconds, every step's ratio is shifted up by its level, and the top of the shifted
 spread crosses the long window's p99. So the margin (`SlowdownMargin`) also follows the host's
 current level: the p99 scaled by the median of the last few ratios over the whole window's
-median, never below the p99 itself. Replayed over the step traces of 25 SLO runs (28,093
-steps; benchmarks/margin_replay.py), steps slower than their margin fell from 2.0% to 0.78%
-for a 4.8% larger mean margin, where a p99.5 margin as large left 1.5%.
+median, never below the p99 itself. Replayed over recorded SLO runs (benchmarks/margin_replay.py),
+this leaves far fewer steps over their margin than a higher quantile of the same mean size (see
+docs/benchmarks-log.md, "A margin that follows the host's level").
 
 Speculative decoding adds draft rows: a decode verifying k drafts is k + 1 decode rows, and
 its k draft rows also count on their own (`a_s`), since its rows go through attention as one
 multi-row query, which costs more per row than single-row decodes. The draft policy decides
-with this model whether drafts pay; fitted as decode rows, the drafting steps of 8 chat
-requests (SmolLM2, about 3 drafts a step) were predicted 9.6 ms longer than steps without
-drafts and ran 14.3 ms longer.
+with this model whether drafts pay, and drafts fitted as decode rows were predicted cheaper
+than they ran (see docs/benchmarks-log.md, "Speculative decoding (2026-11-26, commit 2667759)").
 
 Three windows keep recent steps: those with prompt rows, those with draft rows, and the rest,
 so a long run of pure decode steps cannot push every prefill or draft observation out (those
@@ -50,7 +49,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.messages import ScheduledRequest
+from chunkserve.core.stats import RankStepStats
 
 FEATURE_NAMES = ("constant", "prefill_rows", "decode_rows", "prefill_attention", "decode_attention", "draft_rows")
 _SCALE = np.array([1.0, 1e-3, 1e-3, 1e-6, 1e-6, 1e-3])  # keeps the normal equations well conditioned
@@ -213,6 +213,15 @@ class StepTimePredictor:
         errors = np.abs(1.0 - 1.0 / ratios)  # |p - a| / a = |1 - p / a|
         p50, p90 = np.quantile(errors, (0.5, 0.9))
         return float(p50), float(p90)
+
+
+def observed_step_seconds(rank_stats: list[RankStepStats], pipeline_stages: int, wall_s: float) -> float:
+    """What the step-time model learns from a step. One stage: its wall time. A pipeline: the
+    time between a request's tokens if every micro-batch were like this one, stages x the slowest
+    stage's own time, so that a TBT SLO sizes micro-batches that keep the stages evenly busy."""
+    if pipeline_stages == 1 or not rank_stats:
+        return wall_s
+    return pipeline_stages * max(r.stage_s for r in rank_stats)
 
 
 def _nonnegative_relative_fit(features: np.ndarray, times: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import ModelSource, resolve_model
 from chunkserve.core.disagg.protocol import TransferParams
 from chunkserve.core.kv.snapshot import RequestSnapshot
-from chunkserve.core.sched.output import SchedulerStats
+from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.core import MAX_STEP_RECORDS
 from chunkserve.engine.core_client import CoreClient, EventHandler, ProcessCore, ThreadCore
 from chunkserve.engine.frontend import Frontend

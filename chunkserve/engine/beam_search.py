@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from chunkserve.core.sched.output import TokenLogprobs
+from chunkserve.core.messages import TokenLogprobs
 from chunkserve.engine.async_llm import AsyncLLM, RequestStream
 from chunkserve.engine.outputs import CompletionOutput, LogprobDict, RequestOutput
 from chunkserve.errors import InvalidRequestError

@@ -15,23 +15,18 @@ import os
 import time
 import zlib
 from collections import deque
+from collections.abc import Sequence
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv.snapshot import RequestSnapshot, SnapshotBlock
 from chunkserve.core.kv_connector import KVConnectorScheduler
 from chunkserve.core.kv_connector_factory import build_scheduler_side
+from chunkserve.core.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.output import (
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    SchedulerStats,
-    hit_rate,
-    observed_step_seconds,
-)
 from chunkserve.core.sched.scheduler import Scheduler
-from chunkserve.core.step_predictor import StepShape, StepTimePredictor
+from chunkserve.core.stats import SchedulerStats, hit_rate
+from chunkserve.core.step_predictor import StepShape, StepTimePredictor, observed_step_seconds
 from chunkserve.core.structured.manager import StructuredOutputManager
 from chunkserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from chunkserve.engine.outputs import StepRecord
@@ -48,11 +43,24 @@ MAX_STEP_RECORDS = 100_000
 # frontend gives the engine process to exit (AsyncLLM.shutdown)
 KV_SETTLE_TIMEOUT_S = 20.0
 EXPORT_MODES = ("copy", "pause")
-# while nothing can run but requests whose grammars are compiling, the loop waits this long for one
-GRAMMAR_IDLE_WAIT_S = 0.01
 # For tests only: every step that runs requests takes at least this much longer, so a test can act
 # while a request is still prefilling or decoding on a model whose steps take a millisecond.
 TEST_STEP_DELAY_ENV = "CHUNKSERVE_TEST_STEP_DELAY_MS"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepTiming:
+    """When a step started (wall clock for its record, perf_counter for its duration) and the
+    SLO margin it was planned with."""
+
+    start_wall: float
+    start: float
+    margin: float
+
+    @classmethod
+    def start_now(cls, predictor: StepTimePredictor) -> StepTiming:
+        start_wall, start = time.time(), time.perf_counter()
+        return cls(start_wall, start, predictor.margin)
 
 
 class EngineCore:
@@ -91,7 +99,7 @@ class EngineCore:
         self._next_step_id = 0
         self._kv_transfer_bytes = 0  # the connector's running total at the last record
         # pipelined: steps handed to the executor whose outputs are not back, oldest first
-        self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float, float, float]] = deque()
+        self._in_flight: deque[tuple[SchedulerOutput, StepHandle, StepTiming]] = deque()
         speculative = self.scheduler_config.speculative
         if (self.scheduler_config.tbt_slo_ms is not None or self.scheduler_config.ttft_slo_ms is not None
                 or (speculative is not None and speculative.policy == "auto")):  # (these plan with the model)
@@ -136,7 +144,7 @@ class EngineCore:
         if self.triage.is_active:
             self.triage.forget(request_ids)
             self._restrict_to_tested()
-        return [Scheduler.output_of(request, []) for request in aborted]
+        return [EngineCoreOutput.of(request, []) for request in aborted]
 
     # ----- snapshots: a request and its KV, out of this engine and into another ---------------
 
@@ -262,24 +270,20 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs | None:
         """One step; None when nothing was scheduled (unless the KV connector reported progress:
         then no outputs and no record, but fresh stats). A step the executor fails is void and
-        fails only the requests found to cause it (triage.py); the others run again."""
-        failed = self.scheduler.take_grammar_failures()
+        fails only the requests found to cause it (triage.py); the others run again. Requests the
+        scheduler ended before the step (grammars that failed to compile) come with its outputs."""
         if self.scheduler_config.max_steps_in_flight > 1:
-            return _with_outputs(self._step_pipelined(), failed, self.scheduler)
-        start_wall, start = time.time(), time.perf_counter()
-        margin = self.predictor.margin
+            return self._step_pipelined()
+        timing = StepTiming.start_now(self.predictor)
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty and not failed:  # only requests whose grammars compile may wait: not in a spin
-            self.structured.wait_for_compiles(GRAMMAR_IDLE_WAIT_S)
         self._delay_for_tests(scheduled)
         try:
             runner_output = self.executor.execute_model(scheduled)
         except EngineDeadError:
             raise
         except Exception as error:
-            return _with_outputs(self._void_step(scheduled, error), failed, self.scheduler)
-        return _with_outputs(self._complete_step(scheduled, runner_output, start_wall, start, margin), failed,
-                             self.scheduler)
+            return self._void_step(scheduled, error)
+        return self._complete_step(scheduled, runner_output, timing)
 
     def _delay_for_tests(self, scheduled: SchedulerOutput) -> None:
         """CHUNKSERVE_TEST_STEP_DELAY_MS: tests make a request outlast their action by construction."""
@@ -287,42 +291,45 @@ class EngineCore:
             time.sleep(self._test_step_delay_s)
 
     def _step_pipelined(self) -> EngineCoreOutputs | None:
-        """Pipeline parallelism: keep up to `max_concurrent_batches` steps in flight (each stage
+        """Pipeline parallelism: keep up to `max_steps_in_flight` steps in flight (each stage
         works on a different one), then take the oldest one's output. A step that fails voids
         every step in flight after it too (they were scheduled on its progress)."""
-        while len(self._in_flight) < self.executor.max_concurrent_batches:
-            start_wall, start, margin = time.time(), time.perf_counter(), self.predictor.margin
+        while len(self._in_flight) < self.scheduler_config.max_steps_in_flight:
+            timing = StepTiming.start_now(self.predictor)
             scheduled = self.scheduler.schedule()
             if scheduled.is_empty and self._in_flight:  # all that may run is in flight: its finished ids ride
                 self.scheduler.void_step(scheduled)  # the next step
                 break
             self._delay_for_tests(scheduled)
-            self._in_flight.append((scheduled, self.executor.submit(scheduled), start_wall, start, margin))
+            self._in_flight.append((scheduled, self.executor.submit(scheduled), timing))
             if scheduled.is_empty:  # nothing in flight, nothing to run: it carries finished ids alone
                 break
-        scheduled, handle, start_wall, start, margin = self._in_flight.popleft()
+        scheduled, handle, timing = self._in_flight.popleft()
         try:
             runner_output = handle.result()
         except EngineDeadError:
             raise
         except Exception as error:
-            later = []
-            while self._in_flight:
-                step, pending = self._in_flight.popleft()[:2]
-                try:
-                    pending.result()
-                except EngineDeadError:
-                    raise
-                except Exception:
-                    pass
-                later.append(step)
-            for step in reversed(later):
-                self.scheduler.void_step(step)
-            return self._void_step(scheduled, error)
-        return self._complete_step(scheduled, runner_output, start_wall, start, margin)
+            return self._void_step(scheduled, error, self._take_in_flight())
+        return self._complete_step(scheduled, runner_output, timing)
 
-    def _complete_step(self, scheduled: SchedulerOutput, runner_output: ModelRunnerOutput, start_wall: float,
-                       start: float, margin: float) -> EngineCoreOutputs | None:
+    def _take_in_flight(self) -> list[SchedulerOutput]:
+        """The steps in flight behind a failed one, once their outputs (or failures) are back: they
+        were scheduled on its progress, so they are void too."""
+        later = []
+        while self._in_flight:
+            step, pending, _ = self._in_flight.popleft()
+            try:
+                pending.result()
+            except EngineDeadError:
+                raise
+            except Exception:
+                pass
+            later.append(step)
+        return later
+
+    def _complete_step(self, scheduled: SchedulerOutput, runner_output: ModelRunnerOutput,
+                       timing: StepTiming) -> EngineCoreOutputs | None:
         outputs = self.scheduler.update_from_output(scheduled, runner_output)  # an empty step may report KV progress
         if self.triage.is_active:
             if scheduled.is_empty:  # none of the tested can run now (short of KV, say): search no more
@@ -334,16 +341,20 @@ class EngineCore:
             if runner_output.kv_connector_output is None and not outputs and not runner_output.finished_sending:
                 return None  # (a transfer that timed out has an output; held blocks freed change the stats)
             return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
-        duration = time.perf_counter() - start
+        duration = time.perf_counter() - timing.start
         # (pipelined, a step's wall time includes waiting behind the steps before it)
         self.predictor.observe(StepShape.of(scheduled.scheduled), observed_step_seconds(
-            runner_output.rank_stats, self.executor.max_concurrent_batches, duration))
+            runner_output.rank_stats, self.scheduler_config.max_steps_in_flight, duration))
         stats = self.scheduler.stats()
-        record = self._record(scheduled, start_wall, duration, margin, stats, runner_output)
+        record = self._record(scheduled, timing, duration, stats, runner_output)
         return EngineCoreOutputs(outputs, time.time(), record, stats)
 
-    def _void_step(self, scheduled: SchedulerOutput, error: Exception) -> EngineCoreOutputs | None:
-        self.scheduler.void_step(scheduled)
+    def _void_step(self, scheduled: SchedulerOutput, error: Exception,
+                   later: Sequence[SchedulerOutput] = ()) -> EngineCoreOutputs | None:
+        """The step (and, pipelined, the `later` ones in flight behind it) failed: void them, fail
+        the requests that caused it (or, unknown, start or narrow the triage's search)."""
+        for step in [*reversed(later), scheduled]:
+            self.scheduler.void_step(step)
         requests = self.scheduler.requests
         in_step = sorted((requests[s.request_id] for s in scheduled.scheduled if s.request_id in requests),
                          key=lambda r: (r.arrival_time, r.request_id))
@@ -356,35 +367,34 @@ class EngineCore:
             logger.error("engine step of %d request(s) failed; finding the cause", len(in_step), exc_info=error)
             culprits = self.triage.on_failure([r.request_id for r in in_step])
             reason = f"the engine step failed ({error!r}) whenever this request was in it"
-        failed = self.scheduler.finish_requests(culprits, RequestStatus.FINISHED_ABORTED)
+        outputs = self.scheduler.fail_requests(dict.fromkeys(culprits, reason))
         if self.triage.is_active:
             self.triage.forget(culprits)
         self._restrict_to_tested()
-        if not failed:
+        if not outputs:
             return None
-        outputs = [Scheduler.output_of(r, [])._replace(error=reason) for r in failed]
         return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
 
     def _restrict_to_tested(self) -> None:
         """While the triage searches, only the requests it tests run."""
-        self.scheduler.only = self.triage.tested
+        self.scheduler.restrict_to(self.triage.tested)
 
-    def _record(self, scheduled: SchedulerOutput, start_wall: float, duration: float, margin: float,
-                stats: SchedulerStats, runner_output: ModelRunnerOutput) -> StepRecord:
+    def _record(self, scheduled: SchedulerOutput, timing: StepTiming, duration: float, stats: SchedulerStats,
+                runner_output: ModelRunnerOutput) -> StepRecord:
         errors = self.predictor.error_quantiles()
-        pipelined = self.executor.max_concurrent_batches > 1
+        pipelined = self.scheduler_config.max_steps_in_flight > 1
         moved = 0
         if stats.kv_transfer is not None:  # bytes sent or copied in since the last record (empty steps have none)
             moved = stats.kv_transfer.bytes_total - self._kv_transfer_bytes
             self._kv_transfer_bytes = stats.kv_transfer.bytes_total
         record = StepRecord(
             step_id=self._next_step_id,
-            start_time=start_wall,
+            start_time=timing.start_wall,
             duration_s=duration,
             predicted_duration_s=scheduled.predicted_duration_s,
             prediction_error_p50=errors[0] if errors else None,
             prediction_error_p90=errors[1] if errors else None,
-            slo_margin=margin,
+            slo_margin=timing.margin,
             prefill_wait_guard=scheduled.prefill_wait_guard,
             forward_mode=scheduled.forward_mode,
             num_prefill_tokens=scheduled.num_prefill_tokens,
@@ -504,11 +514,3 @@ def resolve_max_model_len(config: EngineArgs, model_config: ModelConfig, num_blo
     return requested
 
 
-def _with_outputs(step: EngineCoreOutputs | None, outputs: list[EngineCoreOutput],
-                  scheduler: Scheduler) -> EngineCoreOutputs | None:
-    """A step's outputs with `outputs` (requests failed before it) in front."""
-    if not outputs:
-        return step
-    if step is None:
-        return EngineCoreOutputs(outputs, time.time(), None, scheduler.stats())
-    return dataclasses.replace(step, outputs=outputs + step.outputs)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.engine.core import EngineCore
-from chunkserve.engine.core_proc import EngineCoreLoop, run_engine_process
+from chunkserve.engine.core_loop import EngineCoreLoop, run_engine_process
 from chunkserve.engine.messages import Command, EngineDied, EngineInfo, Event, Ready, Shutdown, Stopped
 from chunkserve.errors import EngineDeadError
 from chunkserve.executor.cpu_threads import plan_threads, thread_environment

@@ -9,7 +9,8 @@ from typing import Any
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import resolve_model
 from chunkserve.core.kv.snapshot import RequestSnapshot
-from chunkserve.core.sched.output import EngineCoreOutput, SchedulerStats
+from chunkserve.core.messages import EngineCoreOutput
+from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.core import EngineCore
 from chunkserve.engine.frontend import Frontend
 from chunkserve.engine.messages import imported_core_request

@@ -4,7 +4,7 @@ token ids only, and per step only what is new.
 Commands go to the core between steps, in the order they were sent; events come back. All
 are plain picklable data, so the same loop runs on a thread beside the caller or in a
 process of its own (`chunkserve serve`). `EngineCoreOutputs` is the per-step event: one
-`EngineCoreOutput` (core/sched/output.py) per request that got tokens or finished, whose size
+`EngineCoreOutput` (core/messages.py) per request that got tokens or finished, whose size
 does not grow with the request's history.
 """
 
@@ -15,7 +15,8 @@ from typing import Literal
 
 from chunkserve.core.disagg.protocol import TransferParams
 from chunkserve.core.kv.snapshot import RequestSnapshot
-from chunkserve.core.sched.output import EngineCoreOutput, SchedulerStats
+from chunkserve.core.messages import EngineCoreOutput
+from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.outputs import StepRecord
 from chunkserve.sampling_params import SamplingParams
 

@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from chunkserve.core.sched.output import EngineCoreOutput, TokenLogprobs
+from chunkserve.core.messages import EngineCoreOutput, TokenLogprobs
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.engine.messages import EngineCoreRequest
 from chunkserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from chunkserve.core.sched.output import ForwardMode, TokenLogprobs
+from chunkserve.core.messages import ForwardMode, TokenLogprobs
 
 
 @dataclass

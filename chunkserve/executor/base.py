@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput
 from chunkserve.model.config import ModelConfig
 
 
@@ -33,15 +33,9 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the output of the one that samples."""
 
-    @property
-    def max_concurrent_batches(self) -> int:
-        """Steps that may be in flight at once: ParallelConfig.max_steps_in_flight where the executor
-        runs a pipeline (the scheduler reads the same value); 1: one at a time."""
-        return 1
-
     def submit(self, scheduler_output: SchedulerOutput) -> StepHandle:
-        """Hand a step to the workers without waiting for it: executors whose
-        `max_concurrent_batches` exceeds 1 (a pipeline) implement it."""
+        """Hand a step to the workers without waiting for it: executors that run a
+        pipeline (ParallelConfig.max_steps_in_flight above 1) implement it."""
         raise NotImplementedError(f"{type(self).__name__} runs one step at a time: call execute_model")
 
     def cpu_threads(self) -> dict | None:

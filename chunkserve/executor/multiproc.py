@@ -39,7 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import resolve_model
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput
 from chunkserve.errors import EngineDeadError, RequestFailedError
 from chunkserve.executor.base import Executor, StepHandle
 from chunkserve.config.parallel import under_torchrun
@@ -125,10 +125,6 @@ class MultiprocExecutor(Executor):
         self._wait("ready", 0)
 
     # ----- the executor interface -------------------------------------------------------
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        return self.parallel.max_steps_in_flight
 
     def set_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         self._failure_callback = callback

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput
 from chunkserve.executor.base import Executor
 from chunkserve.model.config import ModelConfig
 

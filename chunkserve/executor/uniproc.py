@@ -6,7 +6,7 @@ from typing import Any
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.core.kv_connector import KVConnectorWorker
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput
 from chunkserve.executor.base import Executor
 from chunkserve.executor.cpu_threads import apply_in_process, current_threads, plan_threads
 from chunkserve.worker.worker import Worker

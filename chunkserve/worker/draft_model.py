@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.messages import ScheduledRequest
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
 from chunkserve.ops.cpp_ops import AttentionKernels, CppOps, model_ops_for

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from chunkserve.attention.paged import AttentionMetadata, DecodeGroup, PrefillChunk
-from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.messages import ScheduledRequest
 from chunkserve.ops.cpp_ops import AttentionKernels
 
 

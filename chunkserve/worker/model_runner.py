@@ -20,13 +20,7 @@ import numpy as np
 import torch
 
 from chunkserve.core.kv_connector import KVConnectorWorker, NoOpConnector
-from chunkserve.core.sched.output import (
-    ModelRunnerOutput,
-    NewRequestData,
-    ScheduledRequest,
-    SchedulerOutput,
-    TokenLogprobs,
-)
+from chunkserve.core.messages import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from chunkserve.errors import RequestFailedError
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel

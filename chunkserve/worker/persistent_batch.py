@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.messages import ScheduledRequest
 from chunkserve.worker.sampler import SamplingState
 
 

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from chunkserve.core.sched.output import TokenLogprobs
+from chunkserve.core.messages import TokenLogprobs
 from chunkserve.sampling_params import SamplingParams
 
 

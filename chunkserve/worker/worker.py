@@ -20,14 +20,9 @@ from chunkserve.config.parallel import store_prefix
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorWorker
 from chunkserve.core.kv_connector_factory import build_worker_side
-from chunkserve.core.sched.output import (
-    ModelRunnerOutput,
-    NewRequestData,
-    RankStepStats,
-    ScheduledRequest,
-    SchedulerOutput,
-    observed_step_seconds,
-)
+from chunkserve.core.messages import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from chunkserve.core.stats import RankStepStats
+from chunkserve.core.step_predictor import observed_step_seconds
 from chunkserve.errors import InvalidRequestError
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.fingerprint import model_fingerprint

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chunkserve.attention.paged import paged_attention
-from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.messages import ScheduledRequest
 from chunkserve.worker.input_batch import build_forward_batch
 from tests.ops.support import NMSE_BOUND, nmse
 from tests.paged_runner import tables_of

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from chunkserve.core.sched.output import ForwardMode
+from chunkserve.core.messages import ForwardMode
 from chunkserve.engine.outputs import StepRecord
 from tests.server_process import ADMIN_API_KEY, API_KEY
 

@@ -9,8 +9,8 @@ import zlib
 from chunkserve.config import SchedulerConfig
 from chunkserve.core.kv.disk_store import HEADER, BlockFiles
 from chunkserve.core.kv_connector import KVConnectorScheduler
+from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.request import Request
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.sched.scheduler import Scheduler
 from chunkserve.sampling_params import SamplingParams
 

@@ -23,12 +23,8 @@ from chunkserve.core.disagg.protocol import (
     TransferParams,
     prompt_digest,
 )
+from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.output import (
-    ModelRunnerOutput,
-    SchedulerOutput,
-    TokenLogprobs,
-)
 from chunkserve.sampling_params import SamplingParams
 from tests.core.support import (
     BLOCK,

@@ -22,8 +22,8 @@ from chunkserve.core.kv.disk_tier import (
     LoadReport,
 )
 from chunkserve.core.kv.layout import KVLayout, ModelFingerprint
+from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.request import RequestStatus
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from chunkserve.errors import InvalidRequestError
 from tests.core.support import (
     BLOCK,
@@ -335,7 +335,7 @@ def test_writes_in_flight_when_the_tier_is_reset_are_removed_as_they_land(tmp_pa
 
 
 def test_the_tiers_counters_reach_metrics():
-    from chunkserve.core.sched.output import KVTierStats, SchedulerStats
+    from chunkserve.core.stats import KVTierStats, SchedulerStats
     from chunkserve.entrypoints.server.metrics import EngineMetrics
 
     metrics = EngineMetrics("m")

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from chunkserve.config.speculative import SpeculativeConfig
-from chunkserve.core.spec.policy import PROBE_EVERY, DecodeLoad, DraftPolicy
+from chunkserve.core.spec_decode.policy import PROBE_EVERY, DecodeLoad, DraftPolicy
 from chunkserve.core.step_predictor import StepShape, StepTimePredictor
 
 CONTEXT = 100

@@ -5,8 +5,8 @@ holds finished requests' blocks until it has "sent" them."""
 from __future__ import annotations
 
 from chunkserve.core.kv_connector import NoOpConnector
+from chunkserve.core.messages import ModelRunnerOutput
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.output import ModelRunnerOutput
 from tests.core.support import (
     BLOCK,
     ConnectedRunner,

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from chunkserve.core.spec.ngram import NgramProposer
+from chunkserve.core.spec_decode.ngram import NgramProposer
 
 LONG = 10_000  # a max_model_len that clips nothing
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections import deque
 
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.sched.scheduler import Scheduler
 from tests.core.support import (
     FakeRunner,

@@ -17,8 +17,8 @@ import pytest
 
 from chunkserve.config.model import resolve_model
 from chunkserve.config.speculative import SpeculativeConfig
+from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.sched.scheduler import NEXT_STEP_MESSAGE, Scheduler
 from chunkserve.core.structured.manager import StructuredOutputManager
 from chunkserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -189,7 +189,6 @@ def drive(scheduler: Scheduler, runner: FakeRunner, requests: list[Request], dep
     for count in range(1, max_steps):
         if not scheduler.has_unfinished_requests() and not in_flight:
             break
-        scheduler.take_grammar_failures()
         if on_step:
             on_step(scheduler)
         while len(in_flight) < depth:

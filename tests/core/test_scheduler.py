@@ -220,12 +220,12 @@ def test_only_the_requests_the_engine_allows_run_and_the_rest_keep_their_place()
     runner = FakeRunner()
     for request in requests:
         scheduler.add_request(request)
-    scheduler.only = {"r1", "r3"}
+    scheduler.restrict_to({"r1", "r3"})
     for _ in range(6):
         output = scheduler.schedule()
         assert {s.request_id for s in output.scheduled} <= {"r1", "r3"}
         scheduler.update_from_output(output, runner.execute(output))
     assert requests[0].num_computed_tokens == 0 and requests[2].num_computed_tokens == 0
-    scheduler.only = None
+    scheduler.restrict_to(None)
     assert run(scheduler, [], runner=runner) == {}
     assert all(r.is_finished for r in requests)

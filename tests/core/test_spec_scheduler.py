@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from chunkserve.config.speculative import SpeculativeConfig
+from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from chunkserve.sampling_params import SamplingParams
 from tests.core.support import (
     BLOCK,

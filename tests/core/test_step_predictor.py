@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.messages import ScheduledRequest
 from chunkserve.core.step_predictor import SlowdownMargin, StepShape, StepTimePredictor, chunk_attention
 
 

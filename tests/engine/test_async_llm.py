@@ -13,7 +13,8 @@ import pytest
 
 from chunkserve import LLM, InvalidRequestError, SamplingParams
 from chunkserve.config import EngineArgs, resolve_model
-from chunkserve.core.sched.output import EngineCoreOutput, SchedulerStats
+from chunkserve.core.messages import EngineCoreOutput
+from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.async_llm import AsyncLLM
 from chunkserve.engine.core import TEST_STEP_DELAY_ENV
 from chunkserve.engine.detokenizer import IncrementalDetokenizer

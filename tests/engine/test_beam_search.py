@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chunkserve import LLM, SamplingParams
-from chunkserve.core.sched.output import TokenLogprobs
+from chunkserve.core.messages import TokenLogprobs
 from chunkserve.engine import beam_search as beams
 from chunkserve.engine.beam_search import BeamSearchSequence
 from chunkserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput

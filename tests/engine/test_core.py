@@ -129,7 +129,7 @@ every step empty)."""
             if output.finished:
                 finished[output.request_id] = output.error is not None
     assert finished == {"bad": True, "d0": False, "d1": False, "d2": False}
-    assert core.scheduler.only is None and core.check()["ok"]
+    assert core.scheduler._only is None and core.check()["ok"]
 
 
 def test_the_self_check_reports_a_per_request_entry_left_behind(model_config):

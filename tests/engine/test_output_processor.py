@@ -3,7 +3,7 @@ text and output; stop strings end a request here and ask the core to abort it.""
 
 from __future__ import annotations
 
-from chunkserve.core.sched.output import EngineCoreOutput, TokenLogprobs
+from chunkserve.core.messages import EngineCoreOutput, TokenLogprobs
 from chunkserve.engine.messages import EngineCoreRequest
 from chunkserve.engine.output_processor import OutputProcessor
 from chunkserve.sampling_params import SamplingParams

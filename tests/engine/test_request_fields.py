@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from chunkserve.config.engine import EngineArgs
-from chunkserve.core.sched.output import EngineCoreOutput, TokenLogprobs
+from chunkserve.core.messages import EngineCoreOutput, TokenLogprobs
 from chunkserve.engine.core import EngineCore
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.engine.input_processor import tokenize_bad_words

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from chunkserve.bench.service import free_port
 from chunkserve.config.model import resolve_model
 from chunkserve.config.parallel import ParallelConfig
-from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.messages import ScheduledRequest
 from chunkserve.errors import InvalidRequestError
 from chunkserve.model.llama import Linear, LlamaModel
 from chunkserve.model.loader import load_model, load_model_config

@@ -23,7 +23,7 @@ from chunkserve.core.disagg.protocol import (
     prompt_digest,
 )
 from chunkserve.core.kv.layout import KVLayout, ModelFingerprint
-from chunkserve.core.sched.output import TokenLogprobs
+from chunkserve.core.messages import TokenLogprobs
 from chunkserve.errors import InvalidRequestError
 from chunkserve.worker.disagg.decode import DecodeConnectorWorker
 from chunkserve.worker.disagg.prefill import PrefillConnectorWorker

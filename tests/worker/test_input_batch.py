@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.messages import ScheduledRequest
 from chunkserve.worker.input_batch import build_forward_batch, group_by_context
 from tests.paged_runner import tables_of
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from chunkserve.core.sched.output import ScheduledRequest
+from chunkserve.core.messages import ScheduledRequest
 from chunkserve.sampling_params import SamplingParams
 from chunkserve.worker.persistent_batch import PersistentBatch
 from chunkserve.worker.sampler import SamplingState

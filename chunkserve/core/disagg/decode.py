@@ -37,7 +37,8 @@ from chunkserve.core.disagg.protocol import (
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorScheduler
 from chunkserve.core.request import Request
-from chunkserve.core.sched.output import RECENT_LATENCIES, KVTransferStats, SchedulerOutput
+from chunkserve.core.messages import SchedulerOutput
+from chunkserve.core.stats import RECENT_LATENCIES, KVTransferStats
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from chunkserve.core.sched.output import TokenLogprobs
+from chunkserve.core.messages import TokenLogprobs
 
 MAX_ROOM = 2**63 - 1
 

@@ -41,7 +41,7 @@ from chunkserve.core.kv.disk_store import BlockFiles, default_storage_dir, max_b
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorScheduler
 from chunkserve.core.request import Request
-from chunkserve.core.sched.output import KVTierStats
+from chunkserve.core.stats import KVTierStats
 from chunkserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import time
 
+from chunkserve.core.messages import ScheduledRequest
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.output import ScheduledRequest
 from chunkserve.core.structured.manager import GrammarError, StructuredOutputManager
 from chunkserve.errors import InvalidRequestError
+
+# while nothing can run but requests whose grammars are compiling, a step waits this long for one
+GRAMMAR_IDLE_WAIT_S = 0.01
 
 
 class Grammars:
@@ -67,6 +70,11 @@ class Grammars:
         if accepted[-1] == request.eos_token_id and self.manager.is_terminated(request.request_id):
             return RequestStatus.FINISHED_STOPPED, None
         return None, None
+
+    def wait_for_compiles(self) -> None:
+        """Wait until a grammar being compiled is done, at most GRAMMAR_IDLE_WAIT_S."""
+        if self.manager is not None:
+            self.manager.wait_for_compiles(GRAMMAR_IDLE_WAIT_S)
 
     def take_failures(self) -> dict[str, str]:
         """Requests whose grammar did not compile -> why."""

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from chunkserve.core.kv.kv_cache_manager import KVCacheManager
 from chunkserve.core.kv_connector import KVConnectorScheduler
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched.output import KVTransferStats
+from chunkserve.core.stats import KVTransferStats
 
 
 class RemoteKV:

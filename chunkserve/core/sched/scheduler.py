@@ -42,7 +42,7 @@ the accepted tokens only, and a grammar that is complete finishes its request.
 
 This class is the loop; what a request needs beyond its counters lives with the collaborator
 that uses it: what the worker has been sent (sent.py), the KV the connector loads or still
-sends (remote_kv.py), draft budgets and acceptance rates (core/spec/drafts.py), grammars
+sends (remote_kv.py), draft budgets and acceptance rates (core/spec_decode/drafts.py), grammars
 (grammars.py), the chunk policy's clock, the KV manager's tables. Finishing a request asks each
 owner to forget it; `registry_sizes()` counts every table keyed by request id, and the engine's
 self-check reports any left non-empty when nothing is unfinished (a leak).
@@ -57,18 +57,19 @@ from collections.abc import Callable, Iterable
 from chunkserve.config.scheduler import SchedulerConfig
 from chunkserve.core.kv.kv_cache_manager import KVCacheManager
 from chunkserve.core.kv_connector import KVConnectorScheduler, NoOpConnector
+from chunkserve.core.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.admission import Admission, AdmissionPolicy
 from chunkserve.core.sched.chunking import Chunk, ChunkPolicy
 from chunkserve.core.sched.grammars import Grammars
-from chunkserve.core.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from chunkserve.core.sched.preemption import pick_victim
 from chunkserve.core.sched.remote_kv import RemoteKV
 from chunkserve.core.sched.sent import SentToWorker
 from chunkserve.core.sched.step_builder import StepBuilder
-from chunkserve.core.spec.drafts import DraftBudget
-from chunkserve.core.spec.ngram import NgramProposer
-from chunkserve.core.spec.policy import DraftPolicy
+from chunkserve.core.spec_decode.drafts import DraftBudget
+from chunkserve.core.spec_decode.ngram import NgramProposer
+from chunkserve.core.spec_decode.policy import DraftPolicy
+from chunkserve.core.stats import SchedulerStats
 from chunkserve.core.step_predictor import StepTimePredictor
 from chunkserve.core.stop import check_stop
 from chunkserve.core.structured.manager import StructuredOutputManager
@@ -100,9 +101,8 @@ class Scheduler:
         self.sent = SentToWorker(config.tokens_from_steps, self.pipelined)  # the worker's view of the requests
         self.remote_kv = RemoteKV(self.connector, self.kv)  # KV the connector loads, and sends after a finish
         self.drafting = DraftBudget(config, self.kv, predictor, self.grammars)
-        # while the engine searches for the request that makes steps fail, only these run (the others
-        # keep their blocks and wait); None: every request may run
-        self.only: set[str] | None = None
+        self._only: set[str] | None = None  # `restrict_to`
+        self._ended: list[EngineCoreOutput] = []  # requests ended by `schedule` (failed grammars): outputs to come
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens of requests admitted for the first time (cumulative)
         self.prefix_cache_hits = 0  # of those, found in the prefix cache
@@ -235,6 +235,10 @@ class Scheduler:
     # ----- one step -----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The next step. Requests whose grammar failed to compile end first (their outputs come with this
+        step's, from `update_from_output` or `fail_requests`); a step empty while no other is in flight waits
+        briefly for a grammar being compiled (the only requests that could run), so the loop does not spin."""
+        self._ended += self._abort(self.grammars.take_failures())
         step = StepBuilder(self.config.max_num_batched_tokens, self._clock())
         if self.drafting.uses_draft_model:
             step.decode_load = self.drafting.decode_load(self.running)
@@ -263,6 +267,8 @@ class Scheduler:
         )
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self.sent.step_sent(output, self.requests)
+        if output.is_empty and not self._ended and not self.sent.has_steps_in_flight:
+            self.grammars.wait_for_compiles()
         return output
 
     @property
@@ -287,8 +293,9 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance the counters by what was computed and verified, append accepted tokens,
-        apply the token-level stops. Returns what is new for every request that got tokens."""
-        outputs = self._connector_progress(runner_output)
+        apply the token-level stops. Returns what is new for every request that got tokens or ended."""
+        outputs, self._ended = self._ended, []
+        outputs += self._connector_progress(runner_output)
         continuing: list[Request] = []  # got tokens and runs on: its next drafts are proposed below
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.request_id)
@@ -326,22 +333,13 @@ class Scheduler:
                 request.spec_token_ids = list(runner_output.draft_token_ids.get(request.request_id, ()))
                 continuing.append(request)
             logprobs = runner_output.logprobs.get(request.request_id)
-            output_now = self.output_of(request, accepted[:count], None if logprobs is None else logprobs[:count],
-                                        runner_output.prompt_logprobs.get(request.request_id))
+            output_now = EngineCoreOutput.of(request, accepted[:count], None if logprobs is None else logprobs[:count],
+                                             runner_output.prompt_logprobs.get(request.request_id))
             outputs.append(output_now if error is None else output_now._replace(error=error))
         self.sent.step_done(output)
         if self.drafting.ngram is not None and continuing:
             self.drafting.propose_ngrams(continuing, self.running)
         return outputs
-
-    @staticmethod
-    def output_of(request: Request, new_token_ids: list[int], new_logprobs=None,
-                  new_prompt_logprobs=None) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request.request_id, new_token_ids, new_logprobs, request.status.finish_reason, request.stop_reason,
-            request.num_cached_tokens or 0, request.num_preemptions, request.first_scheduled_time,
-            new_prompt_logprobs=new_prompt_logprobs,
-        )
 
     # ----- the three phases -----------------------------------------------------------
 
@@ -449,19 +447,19 @@ class Scheduler:
             else:
                 self._start_running(request)
             if first is not None:
-                outputs.append(self.output_of(request, [first.token_id],
-                                              None if first.logprobs is None else [first.logprobs]))
+                outputs.append(EngineCoreOutput.of(request, [first.token_id],
+                                                   None if first.logprobs is None else [first.logprobs]))
         self.remote_kv.release_sent(runner_output.finished_sending)
         for request_id, reason in self.connector.take_failed_requests().items():
             for request in self.finish_requests([request_id], RequestStatus.FINISHED_ABORTED):
-                outputs.append(self.output_of(request, [])._replace(error=reason, kv_transfer_failed=True))
+                outputs.append(EngineCoreOutput.of(request, [])._replace(error=reason, kv_transfer_failed=True))
         return outputs
 
     # ----- helpers --------------------------------------------------------------------
 
     def _may_run(self, request: Request) -> bool:
         """Not kept out of the steps by the failure triage."""
-        return self.only is None or request.request_id in self.only
+        return self._only is None or request.request_id in self._only
 
     def _schedulable(self, request: Request) -> bool:
         """May run, its grammar (if any) is ready, and (pipelined) it is not waiting for the
@@ -535,9 +533,18 @@ class Scheduler:
         self.grammars.forget(request_id)
         del self.requests[request_id]
 
-    def take_grammar_failures(self) -> list[EngineCoreOutput]:
-        """Requests whose grammar did not compile: finished (aborted), with the reason."""
-        failed = self.grammars.take_failures()
-        finished = self.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
-        return [self.output_of(r, [])._replace(error=failed[r.request_id]) for r in finished]
+    def restrict_to(self, request_ids: set[str] | None) -> None:
+        """While the engine searches for the request that makes steps fail, only these run (the others keep
+        their blocks and wait); None: every request may run."""
+        self._only = request_ids
+
+    def fail_requests(self, reasons: dict[str, str]) -> list[EngineCoreOutput]:
+        """A void step's end: abort the requests found to fail it, with their reasons. Returns their outputs,
+        after those of the requests `schedule` ended (which `update_from_output` would have returned)."""
+        outputs, self._ended = self._ended, []
+        return outputs + self._abort(reasons)
+
+    def _abort(self, reasons: dict[str, str]) -> list[EngineCoreOutput]:
+        return [EngineCoreOutput.of(r, [])._replace(error=reasons[r.request_id])
+                for r in self.finish_requests(reasons, RequestStatus.FINISHED_ABORTED)]
 

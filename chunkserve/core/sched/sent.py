@@ -19,12 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from chunkserve.core.messages import NewRequestData, ScheduledRequest, SchedulerOutput
 from chunkserve.core.request import Request
-from chunkserve.core.sched.output import (
-    NewRequestData,
-    ScheduledRequest,
-    SchedulerOutput,
-)
 
 
 class SentToWorker:
@@ -90,6 +86,11 @@ class SentToWorker:
 
     def is_awaiting_token(self, request_id: str) -> bool:
         return request_id in self._awaiting_token
+
+    @property
+    def has_steps_in_flight(self) -> bool:
+        """Pipelined: a step that scheduled requests is still out (its tokens are to come)."""
+        return bool(self._in_flight)
 
     def step_sent(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> None:
         """Pipelined: remember who `output` scheduled, as they are now."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from chunkserve.core.messages import ScheduledRequest
 from chunkserve.core.request import Request
-from chunkserve.core.sched.output import ScheduledRequest
-from chunkserve.core.spec.policy import DecodeLoad
+from chunkserve.core.spec_decode.policy import DecodeLoad
 from chunkserve.core.step_predictor import StepShape
 
 

@@ -3,10 +3,10 @@
 A request's grammar compiles on a thread of its own (llguidance drops the GIL while it builds
 one), so the step loop never waits for it: the scheduler keeps the request out of the steps
 until it is ready and everything else keeps stepping. Compiled grammars are cached by their
-text (a prototype matcher; each request gets a copy, about 2 µs). At each step the scheduler
-asks for the token bitmask of every row that samples (a request's last row and one per draft
-before it: prompt chunks need none) and advances a request's matcher only by the tokens the
-step accepted, so a rejected draft never reaches it.
+text (a prototype matcher; each request gets a copy, which is cheap: docs/STRUCTURED_OUTPUTS.md).
+At each step the scheduler asks for the token bitmask of every row that samples (a request's
+last row and one per draft before it: prompt chunks need none) and advances a request's matcher
+only by the tokens the step accepted, so a rejected draft never reaches it.
 
 A bitmask row is `(vocab_size + 31) // 32` int32 words, bit t of word t // 32 set when token
 t is allowed (llguidance's layout): the sampler unpacks it over the logits row.
@@ -61,8 +61,8 @@ class StructuredOutputManager:
 
     def prepare(self) -> None:
         """Load the vocabulary into the grammar library now, on the compile thread, so that the
-        first constrained request waits for its grammar only (about 2 s less here, and 85 MB
-        more from the start)."""
+        first constrained request waits for its grammar only (what loading it costs:
+        docs/STRUCTURED_OUTPUTS.md)."""
         self._pool.submit(self._tokenizer)
 
     # ----- requests -------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from prometheus_client import (
 )
 
 from chunkserve.config.engine import EngineArgs
-from chunkserve.core.sched.output import SchedulerStats
+from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.outputs import RequestOutput, StepRecord
 
 ENGINE_INDEX = "0"  # the `engine` label's value: one engine core per server

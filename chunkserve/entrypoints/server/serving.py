@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from chunkserve.core.disagg.protocol import TransferParams
 from chunkserve.core.kv.snapshot import RequestSnapshot
-from chunkserve.core.sched.output import TokenLogprobs
+from chunkserve.core.messages import TokenLogprobs
 from chunkserve.engine.async_llm import AsyncLLM, RequestStream
 from chunkserve.engine.beam_search import beam_search_async
 from chunkserve.engine.beam_search import completion as beam_completion

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from chunkserve.core.sched.output import SchedulerStats
+from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.outputs import RequestOutput, StepRecord
 
 logger = logging.getLogger("chunkserve.stats")

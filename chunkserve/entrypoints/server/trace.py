@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import TextIO
 
-from chunkserve.core.sched.output import SchedulerStats
+from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.outputs import RequestOutput, StepRecord
 
 FLUSH_EVERY_STEPS = 64  # a reader tailing the file sees steps at most this late

@@ -25,7 +25,7 @@ from chunkserve.config.kv_connector import KVConnectorConfig
 from chunkserve.core.disagg.protocol import Bootstrap, FirstToken, PrefillMetadata, PrefillOutput
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorWorker
-from chunkserve.core.sched.output import TokenLogprobs
+from chunkserve.core.messages import TokenLogprobs
 from chunkserve.errors import InvalidRequestError
 from chunkserve.worker.disagg.transport import (
     IDLE_WAIT_S,

@@ -9,7 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkserve.config.engine import EngineArgs
-from chunkserve.core.sched.output import ForwardMode, SchedulerStats
+from chunkserve.core.messages import ForwardMode
+from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepRecord
 from chunkserve.entrypoints.server.metrics import EngineMetrics
 

@@ -18,11 +18,10 @@ pays when
 
 where T, r and dT (the draft rows' extra time) come from the step-time model (rows, draft rows
 and attention work; it learns from the engine's own steps, drafts included). Valued at T / B
-alone, auto drafted on natural chat at 8 streams where its accepted tokens (72% of drafts, 2
-per drafting step) bought less than the 13 ms per step they cost (an 8-request batch of 128
-tokens each took 126 steps instead of 128, each 3% longer). `auto` gives each request the k
-that gains most, or none; under load (large B) drafting turns itself off, and it comes back
-when the load falls.
+alone, a saved step is overrated whenever the batch drains, and `auto` drafted where the
+drafts cost more than they bought (see docs/benchmarks-log.md, "Speculative decoding
+(2026-11-26, commit 2667759)"). `auto` gives each request the k that gains most, or none;
+under load (large B) drafting turns itself off, and it comes back when the load falls.
 
 Acceptance is counted the way drafts fail: position i of a run is tried only if every draft
 before it was accepted, so a rate is accepted / tried. A request's rate starts from the global
@@ -38,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chunkserve.config.speculative import SpeculativeConfig
-from chunkserve.core.sched.output import SpecDecodeStats
+from chunkserve.core.stats import SpecDecodeStats
 from chunkserve.core.step_predictor import StepShape, StepTimePredictor
 
 DECAY = 0.8  # weight of a request's older acceptance counts at each new observation

@@ -1,16 +1,21 @@
-"""The scheduler's messages: to the workers (`SchedulerOutput`, block tables as diffs), from
-them (`ModelRunnerOutput`), and to the frontend (`EngineCoreOutput`, only what is new). Plain
-data (numpy arrays at most), no torch."""
+"""The engine core's per-step messages: to the workers (`SchedulerOutput`, block tables as
+diffs), from them (`ModelRunnerOutput`), and to the frontend (`EngineCoreOutput`, only what
+is new; engine/messages.py's `EngineCoreOutputs` carries a step's worth of them, with the
+step's record and stats). Plain data (numpy arrays at most), no torch."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from chunkserve.core.stats import RankStepStats
 from chunkserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from chunkserve.core.request import Request
 
 
 class ForwardMode(str, enum.Enum):
@@ -51,7 +56,7 @@ class ScheduledRequest:
     is_decode: bool  # the request's prompt is done: its last sampled token (and any drafts)
     draft_token_ids: list[int] = field(default_factory=list)  # drafts after the last token, to verify
     num_draft_proposals: int = 0  # with a draft model: drafts it proposes after this step, for the next one
-    # with SchedulerConfig.send_token_ids: the request's tokens from position `token_ids_from` on that the
+    # with SchedulerConfig.tokens_from_steps: the request's tokens from position `token_ids_from` on that the
     # workers may lack (its latest sampled tokens); a worker that has them already overwrites them
     new_token_ids: list[int] = field(default_factory=list)
     token_ids_from: int = 0
@@ -140,39 +145,11 @@ class ModelRunnerOutput:
     rank_stats: list[RankStepStats] = field(default_factory=list)  # several ranks: each one's compute and comms
 
 
-@dataclass(frozen=True)
-class RankStepStats:
-    """One rank's share of a step: its compute seconds (the step on that rank, its collectives
-    included) and the collectives it ran (tensor-parallel all-reduces, the logits gather,
-    pipeline sends and receives): how many, their bytes, their seconds."""
-
-    rank: int
-    compute_s: float
-    comm_ops: int = 0
-    comm_bytes: int = 0
-    comm_s: float = 0.0
-    p2p_s: float = 0.0  # of comm_s, the pipeline's sends and receives
-
-    @property
-    def stage_s(self) -> float:
-        """The rank's own work: its step less its pipeline sends and receives (which are mostly
-        waiting for the stage before it; its tensor-parallel collectives are part of the work)."""
-        return max(self.compute_s - self.p2p_s, 0.0)
-
-
-def observed_step_seconds(rank_stats: list[RankStepStats], pipeline_stages: int, wall_s: float) -> float:
-    """What the step-time model learns from a step. One stage: its wall time. A pipeline: the
-    time between a request's tokens if every micro-batch were like this one, stages x the slowest
-    stage's own time, so that a TBT SLO sizes micro-batches that keep the stages evenly busy."""
-    if pipeline_stages == 1 or not rank_stats:
-        return wall_s
-    return pipeline_stages * max(r.stage_s for r in rank_stats)
-
-
 class EngineCoreOutput(NamedTuple):
     """What one request got from one step, as the engine core reports it: only what is new,
     so a step's message does not grow with the requests' histories. A NamedTuple pickles as
-    a plain tuple (its class once per message)."""
+    a plain tuple (its class once per message). A step's outputs travel to the frontend
+    together, in engine/messages.py's `EngineCoreOutputs`."""
 
     request_id: str
     new_token_ids: list[int]
@@ -190,85 +167,10 @@ class EngineCoreOutput(NamedTuple):
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-
-def hit_rate(hits: int, queries: int) -> float:
-    """hits / queries, 0.0 before any query."""
-    return hits / queries if queries else 0.0
-
-
-@dataclass(frozen=True)
-class KVTierStats:
-    """A KV tier's running totals (the disk tier's, /metrics' `chunkserve:hicache_*`): what its
-    loads supplied (tokens that were not computed) and cost, what its stores wrote and cost,
-    blocks found corrupt (each a miss, recomputed), and what it holds now."""
-
-    hit_tokens_total: int = 0
-    load_bytes_total: int = 0
-    load_seconds_total: float = 0.0
-    store_bytes_total: int = 0
-    store_seconds_total: float = 0.0
-    corrupt_blocks_total: int = 0
-    stored_files: int = 0
-    stored_bytes: int = 0
-
-
-RECENT_LATENCIES = 256
-
-
-@dataclass(frozen=True)
-class KVTransferStats:
-    """A disaggregated instance's transfers (/metrics' `chunkserve:kv_transfer_*`): requests by
-    state now, totals, and the latencies of the most recent transfers (the last of them belongs
-    to transfer number `transfers_total`: an observer turns the ones it has not seen into a
-    histogram)."""
-
-    role: str  # "prefill" | "decode"
-    num_bootstrapping: int = 0  # waiting for the other side's bootstrap (prefill) or for blocks (decode)
-    num_preallocated: int = 0  # blocks held, no KV moved yet
-    num_transferring: int = 0  # KV moving
-    bytes_total: int = 0  # sent (prefill) or copied into the pool (decode)
-    transfers_total: int = 0
-    failed_total: int = 0
-    late_messages_total: int = 0  # decode: messages that arrived for requests already ended here (dropped)
-    recent_latencies: tuple[float, ...] = ()  # seconds, oldest first
-
-
-@dataclass(frozen=True)
-class SpecDecodeStats:
-    """Running totals (vLLM's `spec_decode_*` counters): draft runs verified, draft tokens
-    verified, drafts accepted, and accepted drafts by position in their run (0 = first)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: tuple[int, ...] = ()
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a verifying decode makes per step: its own plus its accepted drafts."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """The scheduler's queues and KV pool at one moment (what /metrics shows as gauges)."""
-
-    num_running: int
-    num_waiting: int
-    num_preempted_waiting: int  # waiting to be recomputed after a preemption
-    num_free_blocks: int
-    num_blocks: int
-    num_preemptions_total: int
-    prefix_cache_queries_total: int  # prompt tokens of admitted requests (first admissions, not recomputes)
-    prefix_cache_hits_total: int  # of those, found there
-    kv_tier: KVTierStats | None = None  # the KV connector's tier (disk tier), when it has one
-    kv_transfer: KVTransferStats | None = None  # prefill/decode disaggregation's transfers, when disaggregated
-    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counts, when it is configured
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return hit_rate(self.prefix_cache_hits_total, self.prefix_cache_queries_total)
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+    @classmethod
+    def of(cls, request: Request, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None = None,
+           new_prompt_logprobs: list[TokenLogprobs | None] | None = None) -> EngineCoreOutput:
+        """The request's new tokens, with where it stands now (finished or not, and why)."""
+        return cls(request.request_id, new_token_ids, new_logprobs, request.status.finish_reason, request.stop_reason,
+                   request.num_cached_tokens or 0, request.num_preemptions, request.first_scheduled_time,
+                   new_prompt_logprobs=new_prompt_logprobs)

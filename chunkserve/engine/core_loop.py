@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import resolve_model
-from chunkserve.core.sched.output import EngineCoreOutput
+from chunkserve.core.messages import EngineCoreOutput
 from chunkserve.engine.core import EngineCore
 from chunkserve.engine.messages import (
     AbortRequests,

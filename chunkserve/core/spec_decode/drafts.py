@@ -22,8 +22,8 @@ from chunkserve.core.kv.kv_cache_manager import KVCacheManager
 from chunkserve.core.request import Request
 from chunkserve.core.sched.chunking import Chunk
 from chunkserve.core.sched.grammars import Grammars
-from chunkserve.core.spec.ngram import NgramProposer
-from chunkserve.core.spec.policy import DecodeLoad, DraftPolicy
+from chunkserve.core.spec_decode.ngram import NgramProposer
+from chunkserve.core.spec_decode.policy import DecodeLoad, DraftPolicy
 from chunkserve.core.step_predictor import StepTimePredictor
 
 if TYPE_CHECKING:
