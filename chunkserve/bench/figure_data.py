@@ -152,7 +152,7 @@ def write_sweep_data(out_dir: str, rows: list[dict], commands: dict[str, list[st
 
 
 def _dtype(args: list[str]) -> str:
-    """The `--dtype` a configuration passes, else its server's default (its log names what that resolved to)."""
+    """The `--dtype` a configuration passes, else "default dtype" (its server log names what that resolved to)."""
     if "--dtype" in args[:-1]:
         return args[args.index("--dtype") + 1]
-    return "the server's default dtype"
+    return "default dtype"

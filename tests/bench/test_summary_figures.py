@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -14,7 +15,11 @@ from chunkserve.bench.plot import add_arguments, main
 from chunkserve.bench.summary_figures import FIGURES
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-DOCS_DATA = pathlib.Path(__file__).resolve().parents[2] / "docs" / "data"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
+DOCS_DATA = DOCS / "data"
+# The commands docs/BENCHMARKS.md gives for its figures: --figure KIND docs/data/X.json -o docs/img/Y.png
+DOC_FIGURES = re.findall(r"bench plot --figure (\w+) (docs/data/\S+\.json) -o docs/img/(\S+\.png)",
+                         (DOCS / "BENCHMARKS.md").read_text())
 SOURCE = {"command": "chunkserve bench sweep --config x.yaml", "commit": "abc1234", "cpu": "Test CPU, 2 cores",
           "date": "2026-11-28", "log_section": "A test section"}
 
@@ -126,6 +131,18 @@ def test_the_committed_data_files_are_valid_and_name_their_source():
         assert all(data["source"][key] for key in figure_data.SOURCE_KEYS), path
 
 
+@pytest.mark.parametrize(("kind", "data_path", "png"), DOC_FIGURES)
+def test_each_documented_figure_is_embedded_and_redraws_from_its_data(tmp_path, kind, data_path, png):
+    assert f"](img/{png})" in (DOCS / "BENCHMARKS.md").read_text()
+    assert (DOCS / "img" / png).read_bytes()[:8] == PNG_SIGNATURE
+    main(_parse(["--figure", kind, str(DOCS.parent / data_path), "-o", str(tmp_path / png)]))
+    assert (tmp_path / png).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_benchmarks_md_documents_at_least_five_figures():
+    assert len(DOC_FIGURES) >= 5
+
+
 def _summary_row(label: str, tok_s: float, p99: float | None, capacity: float | None) -> dict:
     row = {"config": label, "workloads": {"scenario-a": {"output_tok_s": tok_s, "prefix_hit_pct": None}}}
     if p99 is not None:
@@ -148,7 +165,7 @@ def test_a_sweep_combines_its_rounds_into_the_compact_format(tmp_path):
     assert data["source"]["commit"] == "abc1234" and "Test CPU (family 26 model 2)" in data["source"]["cpu"]
     assert data["source"]["command"] == "chunkserve bench sweep --config benchmarks/x.yaml"
     ours, peer = data["configs"]  # "broken" has no number
-    assert (ours["label"], ours["dtype"], peer["dtype"]) == ("ours", "bfloat16", "the server's default dtype")
+    assert (ours["label"], ours["dtype"], peer["dtype"]) == ("ours", "bfloat16", "default dtype")
     assert ours["values"]["scenario-a.output_tok_s"] == {"median": 410.0, "low": 400.0, "high": 420.0,
                                                          "rounds": [400.0, 420.0]}
     assert ours["values"]["capacity_rps_slo_250ms"]["rounds"] == [0.5, 1.0]
