@@ -8,7 +8,8 @@ the CPU, commit and date of its numbers, and each bar its dtype.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from chunkserve.bench import figure_data
 from chunkserve.bench.figure_data import median, quoted_ratio, spread
@@ -56,15 +57,15 @@ def ratio_table(data: dict, panels: tuple[Panel, ...] = PEERS) -> str:
 
 
 def _peers(data: dict, where: str) -> Any:
-    return _bar_panels(data, where, PEERS, "Every server at its default flags")
+    return _bar_panels(data, where, PEERS, "the headline numbers per system")
 
 
 def _throughput(data: dict, where: str) -> Any:
-    return _bar_panels(data, where, (SCENARIO_A,), "Scenario A: 64 requests at once, 256-token prompts, 64 out")
+    return _bar_panels(data, where, (SCENARIO_A,), "Scenario A output throughput per system")
 
 
 def _decode(data: dict, where: str) -> Any:
-    return _bar_panels(data, where, (DECODE_1, DECODE_8), "Decode only: 1 and 8 streams, 256 output tokens")
+    return _bar_panels(data, where, (DECODE_1, DECODE_8), "time between tokens of 1 and 8 streams decoding alone")
 
 
 def _bar_panels(data: dict, where: str, panels: tuple[Panel, ...], title: str) -> Any:
@@ -72,7 +73,8 @@ def _bar_panels(data: dict, where: str, panels: tuple[Panel, ...], title: str) -
     and its ratio to the reference written beside it."""
     figure_data.require_metrics(data, tuple(metric for metric, _, _, _ in panels), where)
     configs = data["configs"]
-    fig, axes = _subplots(len(panels), (3.5 + 4.4 * len(panels), 0.5 * len(configs) + 2.4), sharey=True)
+    panel_width = 4.4 if len(panels) <= 2 else 3.3
+    fig, axes = _subplots(len(panels), (3.5 + panel_width * len(panels), 0.5 * len(configs) + 2.4), sharey=True)
     for ax, (metric, panel_title, unit, higher) in zip(axes, panels):
         values = [config["values"][metric] for config in configs]
         medians = [median(value) for value in values]
@@ -85,7 +87,7 @@ def _bar_panels(data: dict, where: str, panels: tuple[Panel, ...], title: str) -
             ax.text(value + above, y, text, va="center", fontsize=7)
         if max(medians) > 20 * min(m for m in medians if m > 0):  # Scenario B's p99 spans 100x
             ax.set_xscale("log")
-        ax.set_xlim(right=ax.get_xlim()[1] * (3 if ax.get_xscale() == "log" else 1.3))
+        ax.set_xlim(right=ax.get_xlim()[1] * (5 if ax.get_xscale() == "log" else 1.3))
         ax.set_xlabel(f"{unit} ({'higher' if higher else 'lower'} is better)")
         ax.set_title(panel_title, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
@@ -169,13 +171,14 @@ def _speculative(data: dict, where: str) -> Any:
                 x = loads.index(config["streams"]) + _offset(index, width)
                 value = median(config["values"]["out_tok_s"])
                 ax.bar(x, value, width=width, color=f"C{index}", label=mode)
-                ax.text(x, value, f"{config['values']['vs_own_off']:.2f}x", ha="center", va="bottom",
+                ax.text(x, value, f"{median(config['values']['vs_own_off']):.2f}x", ha="center", va="bottom",
                         fontsize=6, rotation=90)
         ax.set_xticks(range(len(loads)), [f"{n} stream(s)" for n in loads])
         ax.set_title(workload, fontsize=9)
-        ax.set_ylim(top=ax.get_ylim()[1] * 1.12)  # room for the ratios above the bars
         ax.set_ylabel("output tok/s (higher is better)")
         ax.grid(axis="y", alpha=0.3)
+    top = max(median(config["values"]["out_tok_s"]) for config in data["configs"])
+    axes[0].set_ylim(0, 1.15 * top)  # shared by the panels; room for the ratios above the bars
     handles, labels = axes[0].get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     axes[0].legend(unique.values(), unique.keys(), loc="upper left", fontsize=7, title="mode", title_fontsize=7)
