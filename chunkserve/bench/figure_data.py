@@ -29,6 +29,7 @@ from typing import Any
 SOURCE_KEYS = ("command", "commit", "cpu", "date", "log_section")
 CONFIG_KEYS = ("label", "values")
 FILE_NAME = "figure_data.json"
+CAPACITY_PREFIX = "capacity_rps_slo_"
 ROW_METRICS = ("long_ttft_p50_s", "short_ttft_p50_ms", "tbt_p50_ms", "tbt_p99_ms", "tbt_max_ms", "output_tok_s")
 
 
@@ -104,7 +105,7 @@ def row_values(row: dict, slo_tbt_ms: float | None) -> dict[str, float]:
     for workload, cells in row.get("workloads", {}).items():
         values.update({f"{workload}.{key}": cell for key, cell in cells.items() if cell is not None})
     if slo_tbt_ms is not None and row.get("capacity_rps") is not None:
-        values[f"capacity_rps_slo_{slo_tbt_ms:g}ms"] = row["capacity_rps"]
+        values[f"{CAPACITY_PREFIX}{slo_tbt_ms:g}ms"] = row["capacity_rps"]
     return values
 
 
@@ -146,9 +147,27 @@ def write_sweep_data(out_dir: str, rows: list[dict], commands: dict[str, list[st
         with open(machine_path, encoding="utf-8") as file:
             machine = json.load(file)
     path = os.path.join(out_dir, FILE_NAME)
+    data = sweep_data(rows, commands, machine, config_path, slo_tbt_ms)
+    if os.path.exists(path):
+        try:
+            _keep_other_capacities(data, load(path))
+        except ValueError:  # an unreadable earlier file is replaced
+            pass
     with open(path, "w", encoding="utf-8") as file:
-        json.dump(sweep_data(rows, commands, machine, config_path, slo_tbt_ms), file, indent=2)
+        json.dump(data, file, indent=2)
     return path
+
+
+def _keep_other_capacities(data: dict, earlier: dict) -> None:
+    """Keep the capacities the same run's probes were judged at under other SLOs (`--summarize-only
+    --slo-tbt-ms N` re-judges them at N): same run means the same machine.json date."""
+    if earlier["source"].get("date") != data["source"].get("date"):
+        return
+    earlier_values = {config["label"]: config["values"] for config in earlier["configs"]}
+    for config in data["configs"]:
+        for metric, value in earlier_values.get(config["label"], {}).items():
+            if metric.startswith(CAPACITY_PREFIX):
+                config["values"].setdefault(metric, value)
 
 
 def _dtype(args: list[str]) -> str:

@@ -12,10 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from chunkserve.bench import figure_data
-from chunkserve.bench.figure_data import median, quoted_ratio, spread
+from chunkserve.bench.figure_data import CAPACITY_PREFIX, median, quoted_ratio, spread
 
 DPI = 110
-CAPACITY_PREFIX = "capacity_rps_slo_"
 # (metric, title, unit, higher is better)
 Panel = tuple[str, str, str, bool]
 SCENARIO_A = ("scenario-a.output_tok_s", "Scenario A throughput", "output tok/s", True)

@@ -173,3 +173,12 @@ def test_a_sweep_combines_its_rounds_into_the_compact_format(tmp_path):
     out = tmp_path / "fig.png"
     main(_parse(["--figure", "throughput", path, "-o", str(out)]))
     assert out.read_bytes()[:8] == PNG_SIGNATURE
+    # --summarize-only --slo-tbt-ms 500 re-judges the same run's probes: both SLOs' capacities stay
+    rows[0]["capacity_rps"] = 2.0
+    figure_data.write_sweep_data(str(tmp_path), rows, commands, "benchmarks/x.yaml", 500.0)
+    ours = figure_data.load(path)["configs"][0]["values"]
+    assert ours["capacity_rps_slo_500ms"]["rounds"] == [2.0, 1.0] and ours["capacity_rps_slo_250ms"]["median"] == 0.75
+    # a new run (another machine.json date) keeps nothing of the earlier one
+    (tmp_path / "machine.json").write_text(json.dumps({"commit": "def5678", "date": "2026-11-29 08:00 UTC"}))
+    figure_data.write_sweep_data(str(tmp_path), rows, commands, "benchmarks/x.yaml", 500.0)
+    assert "capacity_rps_slo_250ms" not in figure_data.load(path)["configs"][0]["values"]
