@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(docs/data/*.json, a sweep's figure_data.json) into the PNG -o names")
     parser.add_argument("--trace", nargs="+", action="extend", default=[], metavar="TRACE.jsonl",
                         help="step traces of `chunkserve serve --trace-steps`; each is labelled by its file stem")
-    parser.add_argument("-o", "--out-dir", required=True, metavar="DIR",
+    parser.add_argument("-o", "--out-dir", required=True, metavar="DIR|PNG",
                         help="folder for the PNGs (created if missing); with --figure, the PNG file")
     parser.add_argument("--clip-to-results", action="store_true",
                         help="keep only the trace steps that ran during one of the given results' runs "
