@@ -4,6 +4,10 @@ Reads the result JSON files of `chunkserve bench serve` and the step traces (JSO
 `chunkserve serve --trace-steps` and writes PNGs: what each engine step ran and how long it
 took, one decode stream's tokens while long prompts arrive, and the CDF of the time between
 tokens. A figure whose inputs are absent is skipped with a log line.
+
+With `--figure KIND` it draws one of docs/BENCHMARKS.md's headline figures instead, from a
+compact result file (docs/data/*.json, or the `figure_data.json` of a sweep; figure_data.py),
+into the PNG that `-o` names: summary_figures.py.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+from chunkserve.bench import figure_data
 from chunkserve.bench.metrics import gaps
+from chunkserve.bench.summary_figures import FIGURES, draw, ratio_table
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +39,14 @@ STEP_KEYS = ("start_time", "duration_s", "forward_mode", "num_prefill_tokens", "
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `chunkserve bench plot`."""
     parser.add_argument("results", nargs="+", metavar="RESULT.json",
-                        help="result files of `chunkserve bench serve`")
+                        help="result files of `chunkserve bench serve`; with --figure, one compact result file")
+    parser.add_argument("--figure", choices=sorted(FIGURES), metavar="KIND",
+                        help=f"draw this headline figure ({', '.join(FIGURES)}) from a compact result file "
+                             "(docs/data/*.json, a sweep's figure_data.json) into the PNG -o names")
     parser.add_argument("--trace", nargs="+", action="extend", default=[], metavar="TRACE.jsonl",
                         help="step traces of `chunkserve serve --trace-steps`; each is labelled by its file stem")
-    parser.add_argument("-o", "--out-dir", required=True, metavar="DIR",
-                        help="folder for the PNGs (created if missing)")
+    parser.add_argument("-o", "--out-dir", required=True, metavar="DIR|PNG",
+                        help="folder for the PNGs (created if missing); with --figure, the PNG file")
     parser.add_argument("--clip-to-results", action="store_true",
                         help="keep only the trace steps that ran during one of the given results' runs "
                              "(a sweep's trace also holds its other workloads)")
@@ -46,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     """Load the files named on the command line and write the figures; bad input exits 2."""
     try:
+        if args.figure:
+            make_summary_figure(args.figure, args.results, args.out_dir)
+            return
         results = [_load_result(path) for path in args.results]
         traces = _load_traces(args.trace)
         if args.clip_to_results:
@@ -69,6 +81,24 @@ def make_figures(results: list[dict], traces: dict[str, list[dict]], out_dir: st
         if fig is not None:
             paths.append(_save(fig, os.path.join(out_dir, name)))
     return paths
+
+
+def make_summary_figure(kind: str, paths: list[str], out_path: str) -> str:
+    """Draw the headline figure `kind` from one compact result file into `out_path` (a PNG); the
+    peers figure also prints its Markdown table, ratios to the file's reference included."""
+    if len(paths) != 1:
+        raise ValueError(f"--figure {kind} draws one compact result file, got {len(paths)}")
+    if not out_path.endswith(".png"):
+        raise ValueError(f"--figure {kind}: -o names the PNG to write (FILE.png), got {out_path!r}")
+    data = figure_data.load(paths[0])
+    fig = draw(kind, data, paths[0])
+    if kind == "peers":
+        print(ratio_table(data))
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    fig.savefig(out_path)  # laid out by summary_figures, around its caption
+    _close(fig)
+    logger.info("wrote %s", out_path)
+    return out_path
 
 
 def clip_to_runs(steps: list[dict], results: list[dict]) -> list[dict]:

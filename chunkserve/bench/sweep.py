@@ -23,7 +23,8 @@ running anything, e.g. to judge the same probes against another SLO (`--slo-tbt-
 
 The config file (YAML):
 
-    out_dir: bench-results/sweep           # results, traces, summary.md, summary.json, machine.json
+    out_dir: bench-results/sweep           # results, traces, summary.md, summary.json, machine.json,
+                                           # figure_data.json (`chunkserve bench plot --figure`)
     port: 8100
     server_args: [--kv-cache-memory-gb, "1"]   # added to every chunkserve configuration
     configs:
@@ -57,6 +58,7 @@ from typing import Any
 
 import httpx
 
+from chunkserve.bench import figure_data
 from chunkserve.bench import serve as bench_serve
 from chunkserve.bench.host import machine
 from chunkserve.bench.service import Service
@@ -133,6 +135,8 @@ def main(args: argparse.Namespace) -> None:
         f.write(tables + "\n")
     with open(os.path.join(sweep.out_dir, "summary.json"), "w") as f:
         json.dump(rows, f, indent=2)
+    figure_data.write_sweep_data(sweep.out_dir, rows, {c.label: c.command or c.args for c in configs}, args.config,
+                                 sweep.capacity["slo_tbt_ms"] if sweep.capacity else None)
 
 
 def run_config_or_report(sweep: SweepConfig, config: ServerConfig) -> str | None:

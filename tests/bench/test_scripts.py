@@ -70,7 +70,6 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "margin_replay": (["{trace}"], "| p99 x level of last 4 (default) |"),
     "predictor_accuracy": (["{trace}"], "decode only"),
     "tradeoff_plot": (["{sweep}/summary.json", "-o", "{tmp}/tradeoff.png", "--slo-ms", "100"], "plot: "),
-    "peers_figure": (["{sweep}", "-o", "{tmp}/peers.png"], "wrote "),
 }
 SCRIPTS = sorted(name.removesuffix(".py") for name in os.listdir(BENCHMARKS)
                  if name.endswith(".py") and name.removesuffix(".py") not in NOT_SCRIPTS)
