@@ -40,9 +40,10 @@ from chunkserve.entrypoints.server.metrics import EngineMetrics
 from chunkserve.entrypoints.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from chunkserve.entrypoints.server.openai_api import OpenAIServing
 from chunkserve.entrypoints.server.openapi import document_request_bodies
-from chunkserve.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from chunkserve.entrypoints.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from chunkserve.entrypoints.server.serving import ServingOptions, error_response
 from chunkserve.entrypoints.server.sglang_api import SGLangServing
+from chunkserve.entrypoints.server.sglang_protocol import GenerateRequest
 from chunkserve.entrypoints.server.stats_log import INTERVAL_S as STATS_INTERVAL_S, StatsLogger
 from chunkserve.entrypoints.server.trace import StepTraceWriter
 from chunkserve.entrypoints.server.vllm_api import VLLMServing

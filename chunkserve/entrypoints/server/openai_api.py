@@ -19,7 +19,8 @@ from chunkserve.engine.beam_search import beam_search_async
 from chunkserve.engine.beam_search import completion as beam_completion
 from chunkserve.engine.outputs import RequestMetrics, RequestOutput, logprob_dict
 from chunkserve.entrypoints.server.access import AccessRouters
-from chunkserve.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, TokenIds
+from chunkserve.entrypoints.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from chunkserve.entrypoints.server.protocol import TokenIds
 from chunkserve.entrypoints.server.serving import (
     Event,
     Serving,
@@ -41,8 +42,9 @@ def openai_serving(raw: Request) -> OpenAIServing:
     return raw.app.state.openai_serving
 
 
-# Bodies are parsed here rather than by FastAPI so that any Content-Type is read as JSON
-# (curl -d sends form-encoded) and every parse error becomes one OpenAI error body.
+# Bodies are parsed in the routes (in every API module) rather than by FastAPI so that any
+# Content-Type is read as JSON (curl -d sends form-encoded) and every parse error becomes one
+# OpenAI error body; openapi.py documents them.
 @routers.key.post("/v1/completions")
 async def completions(raw: Request):
     return await openai_serving(raw).completions(CompletionRequest.model_validate_json(await raw.body()), raw)
@@ -74,8 +76,9 @@ def usage(outputs: list[RequestOutput], completion_tokens: int | None = None, n:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-
 class OpenAIServing(Serving):
+    """Completions and chat completions: a body in, the engine's outputs as OpenAI's response or its chunks."""
+
     def check_request(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         """What every OpenAI request must pass before any work: its model, its fields, its priority."""
         self.check_model(body.model)
@@ -231,7 +234,6 @@ class OpenAIServing(Serving):
                               True, RequestMetrics(arrival_time=arrival, finished_time=time.time()))
                 for prompt, beams in zip(prompts, found) for beam in beams]
 
-
     def _prompt_text(self, prompt: str | TokenIds) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
@@ -264,7 +266,6 @@ class OpenAIServing(Serving):
         return [None if record is None else
                 {str(t): dataclasses.asdict(entry) for t, entry in logprob_dict(record, self._token_text).items()}
                 for record in records]
-
 
     def _chat_logprobs(self, as_ids: bool, records: list[TokenLogprobs] | None) -> Event | None:
         return None if records is None else {"content": [self._chat_logprob(r, as_ids) for r in records]}

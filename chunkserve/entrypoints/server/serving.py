@@ -21,13 +21,8 @@ from chunkserve.engine.async_llm import AsyncLLM, RequestStream
 from chunkserve.engine.outputs import RequestOutput
 from chunkserve.entrypoints.args import ServerArgs
 from chunkserve.entrypoints.server.metrics import EngineMetrics
-from chunkserve.entrypoints.server.protocol import (
-    ChatCompletionRequest,
-    TokenIds,
-    TokenizeRequest,
-    error_body,
-    rename_error,
-)
+from chunkserve.entrypoints.server.openai_protocol import ChatTemplateFields
+from chunkserve.entrypoints.server.protocol import TokenIds, error_body, rename_error
 from chunkserve.entrypoints.server.tool_parsers import TOOL_PARSERS, ToolParser
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import SamplingParams
@@ -83,13 +78,12 @@ class Serving:
             served = ", ".join(repr(name) for name in self.model_names)
             raise InvalidRequestError(f"model {model!r} does not exist; this server serves {served}", "model")
 
-    def _check_template_trust(self, body: ChatCompletionRequest | TokenizeRequest) -> None:
+    def _check_template_trust(self, body: ChatTemplateFields) -> None:
         """A request's own chat template runs only on a server that trusts it (vLLM's flag and
         message): a Jinja template is code, and rendering it can take unbounded time."""
         if body.has_request_template and not self.options.trust_request_chat_template:
             raise InvalidRequestError("Chat template is passed with request, but --trust-request-chat-template is "
                                       "not set. Refused request with untrusted chat template.", "chat_template")
-
 
     async def reset_prefix_cache(self) -> dict[str, Any] | JSONResponse:
         """vLLM's /reset_prefix_cache and SGLang's /flush_cache: 409 unless the server is idle."""

@@ -21,15 +21,15 @@ from chunkserve.engine.async_llm import RequestStream
 from chunkserve.engine.outputs import RequestOutput
 from chunkserve.entrypoints.args import ServerArgs
 from chunkserve.entrypoints.server.access import AccessRouters
-from chunkserve.entrypoints.server.protocol import (
+from chunkserve.entrypoints.server.protocol import TokenIds
+from chunkserve.entrypoints.server.serving import Event, Serving, collect, event_stream, merge, sse, unless_disconnected
+from chunkserve.entrypoints.server.sglang_protocol import (
     GENERATE_NAMES,
     AbortRequest,
     ExportBody,
     GenerateRequest,
     GenerateSamplingParams,
-    TokenIds,
 )
-from chunkserve.entrypoints.server.serving import Event, Serving, collect, event_stream, merge, sse, unless_disconnected
 from chunkserve.errors import EngineDeadError, InvalidRequestError
 from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 from chunkserve.version import VERSION
@@ -141,6 +141,8 @@ def shown_settings(engine_args: EngineArgs, server_args: ServerArgs) -> dict[str
 
 
 class SGLangServing(Serving):
+    """/generate in SGLang's shapes, its deep health check, and the request snapshots."""
+
     async def health_generate(self, timeout_s: float) -> dict[str, Any]:
         """One greedy token through the whole engine; EngineDeadError (503) if it does not come in time."""
         params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -151,7 +153,6 @@ class SGLangServing(Serving):
             stream.abort()
             raise EngineDeadError(f"the engine did not generate a token within {timeout_s:g} s") from None
         return {}
-
 
     async def generate(self, body: GenerateRequest, raw: Request) -> JSONResponse | StreamingResponse:
         """One prompt is answered with one result object; a batch (text or input_ids as a list)

@@ -11,8 +11,8 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from chunkserve.entrypoints.server.access import AccessRouters
-from chunkserve.entrypoints.server.protocol import DetokenizeRequest, TokenizeRequest
 from chunkserve.entrypoints.server.serving import Serving
+from chunkserve.entrypoints.server.vllm_protocol import DetokenizeRequest, TokenizeRequest
 from chunkserve.errors import EngineDeadError, InvalidRequestError
 from chunkserve.version import VERSION
 

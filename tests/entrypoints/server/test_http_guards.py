@@ -30,8 +30,9 @@ from pydantic import BaseModel
 from chunkserve.entrypoints.server.access import Access
 from chunkserve.entrypoints.server.http_protocol import header_timeout_protocol
 from chunkserve.entrypoints.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from chunkserve.entrypoints.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from chunkserve.entrypoints.server.openapi import document_request_bodies
-from chunkserve.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from chunkserve.entrypoints.server.sglang_protocol import GenerateRequest
 
 TIMEOUT_S = 1.0
 BOUND_S = TIMEOUT_S + 2.0  # the guard fired (not "never"), with a margin no loaded host needs
