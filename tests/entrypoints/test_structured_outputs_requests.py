@@ -21,13 +21,9 @@ from chunkserve.core.disagg.protocol import TransferParams
 from chunkserve.engine.input_processor import InputProcessor
 from chunkserve.engine.messages import EngineInfo
 from chunkserve.entrypoints.cli import _serve_args, build_parser
-from chunkserve.entrypoints.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-    GenerateSamplingParams,
-    rename_error,
-)
+from chunkserve.entrypoints.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from chunkserve.entrypoints.server.protocol import rename_error
+from chunkserve.entrypoints.server.sglang_protocol import GenerateRequest, GenerateSamplingParams
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import SamplingParams, StructuredOutputsParams
 

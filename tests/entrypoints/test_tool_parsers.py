@@ -11,7 +11,7 @@ import json
 import jsonschema
 import pytest
 
-from chunkserve.entrypoints.server.protocol import ChatCompletionRequest, ChatCompletionTool
+from chunkserve.entrypoints.server.openai_protocol import ChatCompletionRequest, ChatCompletionTool
 from chunkserve.entrypoints.server.tool_calls import (
     AUTO_NEEDS_FLAGS,
     AutoCallStream,

@@ -36,60 +36,65 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
     # Written raw: h11 cannot send a response while it waits for the request it would answer.
     timeout_response = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                         b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    return type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,),
+                {"timeout_s": timeout_s, "timeout_response": timeout_response})
 
-    class HeaderTimeoutH11Protocol(H11Protocol):
-        head_timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._update_head_timer()
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """The protocol; header_timeout_protocol sets its deadline and its 408 response."""
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            self._update_head_timer()
+    timeout_s: float
+    timeout_response: bytes
+    head_timer: asyncio.TimerHandle | None = None
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._update_head_timer()
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._update_head_timer()
 
-        def connection_lost(self, exc: Exception | None) -> None:
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._update_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._update_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _update_head_timer(self) -> None:
+        """Arm the timer when a deadline starts, cancel it when the awaited part arrived.
+
+        An armed timer is never re-armed: bytes that trickle in do not extend it.
+        """
+        if self.transport.is_closing():
+            return self._cancel_head_timer()
+        if self.conn.their_state is h11.IDLE:
+            # Between requests with nothing received, the keep-alive timer is uvicorn's;
+            # a fresh connection (or one whose keep-alive timer data cancelled) has none.
+            waiting = bool(self.conn.trailing_data[0]) or self.timeout_keep_alive_task is None
+        else:  # the response is done but the request's body is still on its way
+            waiting = self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY
+        if not waiting:
             self._cancel_head_timer()
-            super().connection_lost(exc)
+        elif self.head_timer is None:
+            self.head_timer = self.loop.call_later(self.timeout_s, self._head_timed_out)
 
-        def _update_head_timer(self) -> None:
-            """Arm the timer when a deadline starts, cancel it when the awaited part arrived.
-
-            An armed timer is never re-armed: bytes that trickle in do not extend it.
-            """
-            if self.transport.is_closing():
-                return self._cancel_head_timer()
-            if self.conn.their_state is h11.IDLE:
-                # Between requests with nothing received, the keep-alive timer is uvicorn's;
-                # a fresh connection (or one whose keep-alive timer data cancelled) has none.
-                waiting = bool(self.conn.trailing_data[0]) or self.timeout_keep_alive_task is None
-            else:  # the response is done but the request's body is still on its way
-                waiting = self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY
-            if not waiting:
-                self._cancel_head_timer()
-            elif self.head_timer is None:
-                self.head_timer = self.loop.call_later(timeout_s, self._head_timed_out)
-
-        def _cancel_head_timer(self) -> None:
-            if self.head_timer is not None:
-                self.head_timer.cancel()
-                self.head_timer = None
-
-        def _head_timed_out(self) -> None:
+    def _cancel_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
             self.head_timer = None
-            if self.transport.is_closing():
-                return
-            # No 408 to a client that sent nothing: that is an idle connection, not a request.
-            if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
-                self.transport.write(timeout_response)
-            try:
-                self.conn.send(h11.ConnectionClosed())
-            except h11.LocalProtocolError:  # mid-exchange: h11 refuses, but the socket closes all the same
-                pass
-            self.transport.close()
 
-    return HeaderTimeoutH11Protocol
+    def _head_timed_out(self) -> None:
+        self.head_timer = None
+        if self.transport.is_closing():
+            return
+        # No 408 to a client that sent nothing: that is an idle connection, not a request.
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
+            self.transport.write(self.timeout_response)
+        try:
+            self.conn.send(h11.ConnectionClosed())
+        except h11.LocalProtocolError:  # mid-exchange: h11 refuses, but the socket closes all the same
+            pass
+        self.transport.close()

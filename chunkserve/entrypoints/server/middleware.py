@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from chunkserve.entrypoints.server.access import Access
 from chunkserve.entrypoints.server.protocol import error_body
 
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
-# what a router, a load balancer or Prometheus polls (vLLM leaves these open too)
-OPEN_PATHS = frozenset({"/health", "/server_info", "/ping", "/version", "/metrics"})
 CLOSE_HEADER = (b"connection", b"close")
 
 
@@ -52,8 +51,9 @@ def route_path(scope: dict) -> str:
 
 
 class ApiKeyMiddleware:
-    """`open_paths` are open; `admin_paths` need the admin key (and answer 404 while there is none);
-    every other path needs the API key when one is set.
+    """`access`: each route's access class (access.py). OPEN paths are open; ADMIN paths need the
+    admin key (and answer 404 while there is none); every other path, one without a route
+    included, needs the API key when one is set.
 
     The API key does not open admin paths: it is handed to every client, while the admin
     endpoints act on the whole server (they reset caches, show other users' request traces).
@@ -61,20 +61,20 @@ class ApiKeyMiddleware:
     """
 
     def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None,
-                 admin_paths: frozenset[str], open_paths: frozenset[str] = OPEN_PATHS) -> None:
+                 access: Mapping[str, Access]) -> None:
         self.app = app
-        self.open_paths = open_paths
+        self.access = access
         self.api_key = api_key.encode() if api_key else None
         self.admin_api_key = admin_api_key.encode() if admin_api_key else None
-        self.admin_paths = admin_paths
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = route_path(scope)
-        if path in self.open_paths:
+        access = self.access.get(path, Access.KEY)
+        if access is Access.OPEN:
             return await self.app(scope, receive, send)
-        if path in self.admin_paths:
+        if access is Access.ADMIN:
             if self.admin_api_key is None:
                 return await send_error(send, 404, f"{path} is an admin endpoint, and admin endpoints are disabled: "
                                                    "start the server with --admin-api-key to enable them",

@@ -31,7 +31,7 @@ import dataclasses
 import json
 from typing import Any
 
-from chunkserve.entrypoints.server.protocol import ChatCompletionRequest, ChatCompletionTool, NamedToolChoice
+from chunkserve.entrypoints.server.openai_protocol import ChatCompletionRequest, ChatCompletionTool, NamedToolChoice
 from chunkserve.entrypoints.server.tool_parsers import ToolCall, ToolParser, random_tool_call_id
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import SamplingParams, StructuredOutputsParams

@@ -27,17 +27,19 @@ from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
+from chunkserve.entrypoints.server.access import Access
 from chunkserve.entrypoints.server.http_protocol import header_timeout_protocol
 from chunkserve.entrypoints.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from chunkserve.entrypoints.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from chunkserve.entrypoints.server.openapi import document_request_bodies
-from chunkserve.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from chunkserve.entrypoints.server.sglang_protocol import GenerateRequest
 
 TIMEOUT_S = 1.0
 BOUND_S = TIMEOUT_S + 2.0  # the guard fired (not "never"), with a margin no loaded host needs
 MAX_BODY_BYTES = 4096
 API_KEY = "user-key"
 ADMIN_KEY = "admin-key"
-ADMIN_PATHS = frozenset({"/admin/reset"})
+ACCESS = {"/health": Access.OPEN, "/admin/reset": Access.ADMIN}  # the other routes need the API key
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 STREAM_GAP_S = TIMEOUT_S + 0.6  # silence inside a streamed response, longer than every timeout
 
@@ -95,7 +97,7 @@ def guarded_app(admin_api_key: str | None) -> RequestLedger:
         return {"reset": True}
 
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=MAX_BODY_BYTES, read_timeout_s=TIMEOUT_S)
-    app.add_middleware(ApiKeyMiddleware, api_key=API_KEY, admin_api_key=admin_api_key, admin_paths=ADMIN_PATHS)
+    app.add_middleware(ApiKeyMiddleware, api_key=API_KEY, admin_api_key=admin_api_key, access=ACCESS)
     return RequestLedger(app)
 
 
