@@ -37,7 +37,7 @@ generate: $(STAMP)
 	$(VENV)/bin/chunkserve generate "$(PROMPT)" --max-tokens 64
 
 bench: $(STAMP)
-	$(PY) benchmarks/engine_speed.py
+	$(PY) -m benchmarks.engine.engine_speed
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -52,6 +52,26 @@ async def fetch_model_name(client: httpx.AsyncClient, base_url: str) -> str:
     return response.json()["data"][0]["id"]
 
 
+def server_tokenizer(base_url: str, model: str | None, api_key: str | None) -> Callable[[str], list[int]]:
+    """The server's own tokenizer, through its /tokenize (vLLM's form, which chunkserve serves
+    too): a data set's text is counted in the tokens the server will see, with no tokenizer here."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    client = httpx.Client(timeout=60.0, headers=headers)
+    if model is None:
+        response = client.get(f"{base_url}/v1/models")
+        response.raise_for_status()
+        model = response.json()["data"][0]["id"]
+
+    def tokenize(text: str) -> list[int]:
+        response = client.post(f"{base_url}/tokenize", json={"model": model, "prompt": text})
+        if response.status_code != 200:
+            raise RuntimeError(f"{base_url}/tokenize answered HTTP {response.status_code}: "
+                             f"{response.text[:ERROR_TEXT_LIMIT]}")
+        return response.json()["tokens"]
+
+    return tokenize
+
+
 def completion_body(model: str, spec: RequestSpec) -> dict:
     """Exactly ``output_len`` tokens (no early EOS), greedy, streamed one event per token."""
     return {

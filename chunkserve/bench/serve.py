@@ -19,9 +19,16 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-from chunkserve.bench.client import run_requests
+from chunkserve.bench.client import run_requests, server_tokenizer
+from chunkserve.bench.datasets import DATASET_NAMES, DatasetError, load_sharegpt, sample_sharegpt
 from chunkserve.bench.metrics import interference_summary, summarize
-from chunkserve.bench.workloads import WORKLOADS, build_workload, sharegpt_like_params
+from chunkserve.bench.workloads import (
+    WORKLOADS,
+    RequestSpec,
+    build_workload,
+    poisson_arrivals,
+    sharegpt_like_params,
+)
 
 SECRET_ARGS = ("api_key",)
 LATENCY_ROWS = (("TTFT", "ttft_ms"), ("TBT", "tbt_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms"))
@@ -59,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     parser.add_argument("--api-key", default=None, help="sent as Bearer (default: $OPENAI_API_KEY)")
     parser.add_argument("--workload", choices=WORKLOADS, default="random")
+    add_dataset_arguments(parser)
     parser.add_argument("--num-prompts", type=positive_int, default=100)
     parser.add_argument("--request-rate", type=positive_float, default=math.inf,
                         help="Poisson arrivals per second, or inf to send everything at once")
@@ -93,6 +101,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="multi-turn: seconds between a response's end and the next turn")
 
 
+def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's data-set flags, shared by `bench serve` and `bench throughput`."""
+    dataset = parser.add_argument_group("data sets (vLLM's flags)")
+    dataset.add_argument("--dataset-name", choices=DATASET_NAMES, default="random",
+                         help="sharegpt: prompts and output lengths from --dataset-path, sampled as vLLM samples "
+                              "them (serve: counted by the server's /tokenize); random: --workload's token ids")
+    dataset.add_argument("--dataset-path", default=None, help="the ShareGPT-format JSON file")
+    dataset.add_argument("--sharegpt-output-len", type=positive_int, default=None,
+                         help="output tokens of every ShareGPT request (default: its reference reply's length)")
+
+
+def check_dataset_arguments(args: argparse.Namespace) -> None:
+    """The data-set flags agree with each other (and, for serve, with --workload)."""
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        raise DatasetError("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT-format JSON file)")
+    if args.dataset_name != "sharegpt" and args.dataset_path:
+        raise DatasetError("--dataset-path is read only with --dataset-name sharegpt")
+    if args.dataset_name == "sharegpt" and getattr(args, "workload", "random") != "random":
+        raise DatasetError(f"--dataset-name sharegpt replaces the synthetic workload: leave out --workload "
+                         f"{args.workload}")
+
+
 def main(args: argparse.Namespace) -> None:
     """Run the benchmark, print its table and (with --result-file) write its JSON."""
     result = run_benchmark(args)
@@ -103,15 +133,19 @@ def main(args: argparse.Namespace) -> None:
 
 def run_benchmark(args: argparse.Namespace) -> dict:
     """Run the workload against ``args.base_url``; returns the result dict (the JSON schema)."""
-    specs = build_workload(args, np.random.default_rng(args.seed))
+    check_dataset_arguments(args)
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     base_url = args.base_url.rstrip("/")
+    if args.dataset_name == "sharegpt":
+        specs = sharegpt_workload(args, server_tokenizer(base_url, args.model, api_key))
+    else:
+        specs = build_workload(args, np.random.default_rng(args.seed))
     with tqdm(total=len(specs), file=sys.stderr, unit="req", desc="requests") as bar:
         model, start, results = asyncio.run(run_requests(
             specs, base_url, args.model, api_key, args.max_concurrency, on_done=lambda _: bar.update(1)))
     result = {
-        "label": args.label or args.workload,
-        "workload": args.workload,
+        "label": args.label or workload_name(args),
+        "workload": workload_name(args),
         "config": config_of(args),
         "base_url": base_url,
         "model": model,
@@ -123,6 +157,19 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     if args.result_file:
         write_json(result, args.result_file)
     return result
+
+
+def sharegpt_workload(args: argparse.Namespace, tokenize) -> list[RequestSpec]:
+    """The ShareGPT file's sampled requests, arriving as a Poisson process at --request-rate."""
+    samples = sample_sharegpt(load_sharegpt(args.dataset_path, args.seed), tokenize, args.num_prompts,
+                              args.sharegpt_output_len, args.seed)
+    send_ats = poisson_arrivals(np.random.default_rng(args.seed), args.request_rate, len(samples))
+    return [RequestSpec(s.prompt_token_ids, s.output_len, t, "normal") for s, t in zip(samples, send_ats)]
+
+
+def workload_name(args: argparse.Namespace) -> str:
+    """What ran: the synthetic workload, or the data set's name."""
+    return args.workload if args.dataset_name == "random" else args.dataset_name
 
 
 def config_of(args: argparse.Namespace) -> dict:

@@ -1,7 +1,7 @@
 """Structured outputs' server-wide configuration, in vLLM's shape (`--structured-outputs-config`
 JSON, vLLM's StructuredOutputsConfig keys).
 
-chunkserve has one grammar backend, llguidance, chosen by measurement (benchmarks/grammar_backends.py,
+chunkserve has one grammar backend, llguidance, chosen by measurement (benchmarks/engine/grammar_backends.py,
 docs/STRUCTURED_OUTPUTS.md): `auto`, `guidance` (vLLM's name for it) and `llguidance` all select it.
 vLLM's other backends are refused by name rather than silently replaced, since a user naming one
 expects its behaviour. `disable_any_whitespace` and `disable_additional_properties` are defaults

@@ -25,7 +25,7 @@ A p99 over a thousand steps still cannot see a burst coming: while the host runs
 a few seconds, every step's ratio is shifted up by its level, and the top of the shifted
 spread crosses the long window's p99. So the margin (`SlowdownMargin`) also follows the host's
 current level: the p99 scaled by the median of the last few ratios over the whole window's
-median, never below the p99 itself. Replayed over recorded SLO runs (benchmarks/margin_replay.py),
+median, never below the p99 itself. Replayed over recorded SLO runs (benchmarks/engine/margin_replay.py),
 this leaves far fewer steps over their margin than a higher quantile of the same mean size (see
 docs/benchmarks-log.md, "A margin that follows the host's level").
 

@@ -424,7 +424,7 @@ class EngineCore:
 
     def time_synthetic_step(self, rows: list[tuple[int, int]], seed: int = 0) -> float:
         """Run one step of made-up requests, a (start position, tokens) pair each, and return
-        its seconds. For the start-up profile and benchmarks/step_time_curve.py: only while no
+        its seconds. For the start-up profile and benchmarks/engine/step_time_curve.py: only while no
         request is unfinished, as its KV lands in blocks 0.. (the pool's prefix cache is dropped;
         a disk KV tier keeps its files, and with write_back the pool's blocks are not saved)."""
         if self.has_unfinished_requests() or not self.scheduler.kv.reset_prefix_cache():

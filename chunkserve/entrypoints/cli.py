@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 
+from chunkserve.bench.datasets import DatasetError
 from chunkserve.config.engine import EngineArgs
 from chunkserve.entrypoints.args import ServerArgs, add_cli_args, from_cli_args
 from chunkserve.entrypoints.foreign_flags import add_foreign_flags, check_foreign_flags
@@ -22,10 +23,12 @@ from chunkserve.entrypoints.router.args import add_arguments as add_router_argum
 from chunkserve.errors import InvalidRequestError, ModelLoadError
 from chunkserve.version import VERSION
 
-BENCH_COMMANDS = {
-    "serve": "load a server with a workload; latency percentiles, throughput, goodput",
-    "plot": "figures from bench results and step traces",
-    "sweep": "run server configurations through the same workloads; one summary table",
+BENCH_COMMANDS = {  # name: (module, help)
+    "serve": ("chunkserve.bench.serve", "load a server with a workload; latency percentiles, throughput, goodput"),
+    "throughput": ("chunkserve.entrypoints.bench_throughput",
+                   "offline throughput of the engine, as vllm bench throughput: requests/s, tokens/s"),
+    "plot": ("chunkserve.bench.plot", "figures from bench results and step traces"),
+    "sweep": ("chunkserve.bench.sweep", "run server configurations through the same workloads; one summary table"),
 }
 
 
@@ -52,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_arguments(router)
     bench = commands.add_parser("bench", help="benchmark OpenAI-compatible servers, plot and sweep")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    for name, text in BENCH_COMMANDS.items():
-        module = importlib.import_module(f"chunkserve.bench.{name}")
+    for name, (module_name, text) in BENCH_COMMANDS.items():
+        module = importlib.import_module(module_name)
         command = bench_commands.add_parser(name, help=text, description=module.__doc__.split("\n", 1)[0])
         module.add_arguments(command)
         command.set_defaults(bench_main=module.main)
@@ -166,7 +169,10 @@ def main(argv: list[str] | None = None) -> None:
             router_main(args)
         elif args.command == "bench":
             logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
-            args.bench_main(args)
+            try:
+                args.bench_main(args)
+            except DatasetError as error:
+                raise InvalidRequestError(str(error)) from None
     except (InvalidRequestError, ModelLoadError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -1,7 +1,7 @@
 """An executor with no model: every sampled row gets a made-up token at once.
 
 It runs the engine core's real scheduling, KV accounting and messaging at no model cost, for
-measuring what the core itself costs (benchmarks/step_message_bytes.py) and for tests of the
+measuring what the core itself costs (benchmarks/engine/step_message_bytes.py) and for tests of the
 core without weights. Its tokens are a fixed function of the request's history, so a run is
 reproducible; they never include the model's EOS unless the vocabulary is that small."""
 

@@ -59,8 +59,8 @@ _SOURCES = [os.path.join(_CSRC, name)
                          "elementwise.cpp", "decoder_layer.cpp")]
 
 # Up to this many rows the C++ linear beats or equals MKL on the layer shapes of SmolLM2-135M
-# here, in the layers alone (benchmarks/small_batch_linear.py) and in whole steps
-# (benchmarks/step_time_curve.py); above, MKL's blocked GEMM wins, on the MLP's down
+# here, in the layers alone (benchmarks/kernels/small_batch_linear.py) and in whole steps
+# (benchmarks/engine/step_time_curve.py); above, MKL's blocked GEMM wins, on the MLP's down
 # projection (K = 1536) first. Measured: docs/benchmarks-log.md, "Decode steps: the C++ ops
 # against plain torch" (small_batch_linear.cpp).
 SMALL_BATCH_MAX_ROWS = 512

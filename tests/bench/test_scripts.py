@@ -1,5 +1,5 @@
 """Every script in benchmarks/ runs: its `--help`, and its smoke run as a user runs it
-(`python benchmarks/NAME.py ...`, a subprocess of its own) on the tiny model or the smallest
+(`python -m benchmarks.KIND.NAME ...` from the repository, a subprocess of its own) on the tiny model or the smallest
 shapes, or, for the studies that need peers or minutes of serving, its dry run (the plan and
 the servers' commands, every flag parsed, nothing started). A script that imports a name that
 is gone, reaches for an attribute that was renamed or passes a flag that no longer exists fails
@@ -27,7 +27,7 @@ from tests.server_process import ADMIN_API_KEY, API_KEY
 
 BENCHMARKS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 REPOSITORY = os.path.dirname(BENCHMARKS)
-NOT_SCRIPTS = {"support"}  # benchmarks/support.py: what the scripts share
+KINDS = ("kernels", "engine")  # benchmarks/kernels: kernel micro-benchmarks; benchmarks/engine: engine studies
 SMOKE_TIMEOUT_S = 180
 PARALLEL_RUNS = 2
 
@@ -71,8 +71,22 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "predictor_accuracy": (["{trace}"], "decode only"),
     "tradeoff_plot": (["{sweep}/summary.json", "-o", "{tmp}/tradeoff.png", "--slo-ms", "100"], "plot: "),
 }
-SCRIPTS = sorted(name.removesuffix(".py") for name in os.listdir(BENCHMARKS)
-                 if name.endswith(".py") and name.removesuffix(".py") not in NOT_SCRIPTS)
+KIND_OF = {name.removesuffix(".py"): kind for kind in KINDS for name in os.listdir(os.path.join(BENCHMARKS, kind))
+           if name.endswith(".py") and name != "__init__.py"}
+SCRIPTS = sorted(KIND_OF)
+
+
+def module_of(script: str) -> str:
+    return f"benchmarks.{KIND_OF[script]}.{script}"
+
+
+def path_of(script: str) -> str:
+    return os.path.join(BENCHMARKS, KIND_OF[script], f"{script}.py")
+
+
+def test_scripts_live_in_their_kinds_only():
+    """benchmarks/ itself holds what the scripts share (support.py) and the folders of kinds."""
+    assert sorted(name for name in os.listdir(BENCHMARKS) if name.endswith(".py")) == ["__init__.py", "support.py"]
 
 
 def test_every_script_has_a_smoke_run():
@@ -82,20 +96,19 @@ def test_every_script_has_a_smoke_run():
 def test_no_script_imports_another():
     """Shared helpers live in benchmarks/support.py (or the package); a script is no library."""
     for name in SCRIPTS:
-        with open(os.path.join(BENCHMARKS, f"{name}.py")) as f:
+        with open(path_of(name)) as f:
             imports = [line for line in f if line.startswith(("from ", "import "))]
-        assert not [line for line in imports if line.split()[1].split(".")[0] in SCRIPTS], name
+        assert not [line for line in imports if line.split()[1].split(".")[-1] in SCRIPTS], name
         assert not [line for line in imports if " import _" in line], name
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help(script, monkeypatch, capsys):
-    """`--help` in this process (as the script runs it: its own folder first on the path)."""
-    monkeypatch.syspath_prepend(BENCHMARKS)
-    monkeypatch.setattr(sys, "argv", [os.path.join(BENCHMARKS, f"{script}.py"), "--help"])
-    monkeypatch.delitem(sys.modules, "support", raising=False)
+    """`--help` in this process (as `python -m` runs it, the repository first on the path)."""
+    monkeypatch.syspath_prepend(REPOSITORY)
+    monkeypatch.setattr(sys, "argv", [path_of(script), "--help"])
     with pytest.raises(SystemExit) as exited:
-        runpy.run_path(os.path.join(BENCHMARKS, f"{script}.py"), run_name="__main__")
+        runpy.run_module(module_of(script), run_name="__main__", alter_sys=True)
     assert exited.value.code == 0
     assert capsys.readouterr().out.startswith("usage:")
 
@@ -121,7 +134,7 @@ def smoke_runs(request, tmp_path_factory) -> dict[str, Future]:
     for script in selected:
         folder = str(tmp_path_factory.mktemp(f"smoke-{script}"))
         args = [part.format(**values, tmp=folder) for part in SMOKE[script][0]]
-        command = [sys.executable, os.path.join(BENCHMARKS, f"{script}.py"), *args]
+        command = [sys.executable, "-m", module_of(script), *args]
         runs[script] = pool.submit(subprocess.run, command, capture_output=True, text=True, env=env, cwd=folder,
                                    timeout=SMOKE_TIMEOUT_S)
     yield runs

@@ -128,3 +128,26 @@ def test_multi_turn_workload_follows_each_turn_and_hits_the_prefix_cache(server)
         assert all(r["cached_tokens"] >= 80 - 16 for r in chat[1:]), "a later turn recomputed its history"
     assert result["summary"]["prefix_cache_hit_rate"] > 0.5
     assert "Prefix cache hit rate" in format_table(result)
+
+
+def test_sharegpt_dataset_sends_the_files_prompts_counted_by_the_servers_tokenizer(server, tmp_path):
+    chats = [{"conversations": [{"from": "human", "value": f"Question number {i}: what is {i} plus {i}?"},
+                                {"from": "gpt", "value": f"It is {2 * i}, which is {i} twice."}]} for i in range(3)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(chats))
+    result = run_benchmark(bench_args(server, "--dataset-name", "sharegpt", "--dataset-path", str(path),
+                                      "--num-prompts", "3", "--sharegpt-output-len", "4", "--api-key", API_KEY))
+    client = server.client()
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    expected = sorted(len(client.post("/tokenize", json={"model": model, "prompt": c["conversations"][0]["value"]})
+                          .json()["tokens"]) for c in chats)
+    assert result["label"] == result["workload"] == "sharegpt"
+    assert sorted(r["prompt_len"] for r in result["requests"]) == expected
+    assert all(r["ok"] and r["completion_tokens"] == 4 for r in result["requests"])
+
+
+def test_sharegpt_without_a_file_is_refused_before_anything_is_sent(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--dataset-name", "sharegpt"])
+    assert exit_info.value.code == 2
+    assert "--dataset-name sharegpt needs --dataset-path" in capsys.readouterr().err

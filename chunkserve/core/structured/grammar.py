@@ -1,5 +1,5 @@
 """A request's StructuredOutputsParams -> the grammar llguidance compiles (the backend chosen by
-measurement: benchmarks/grammar_backends.py, docs/STRUCTURED_OUTPUTS.md), and its validation.
+measurement: benchmarks/engine/grammar_backends.py, docs/STRUCTURED_OUTPUTS.md), and its validation.
 
 Every form becomes llguidance's grammar text the way vLLM's guidance backend builds it: a JSON
 schema through llguidance's JSON compiler (whitespace flexible unless `disable_any_whitespace`),

@@ -1,6 +1,6 @@
 """The step trace: one JSON line per engine step, written by an AsyncLLM step observer on
 the thread that receives the engine's events. A line costs a json.dumps and a buffered write (see
-benchmarks/trace_overhead.py for the measured cost), so it can stay on in production."""
+benchmarks/engine/trace_overhead.py for the measured cost), so it can stay on in production."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ namespace {
 constexpr int kRowTile = 4;
 constexpr int64_t kSliceBytes = 32 * 1024;
 
-// Feature tile per row count (benchmarks/small_batch_linear.py): a tile of R rows x F features
+// Feature tile per row count (benchmarks/kernels/small_batch_linear.py): a tile of R rows x F features
 // keeps R x F independent FMA chains (an FMA waits ~5 cycles for the one before it in its
 // chain) and loads R + F vectors for R x F FMAs, the loads being the limit here.
 template <int R>
