@@ -48,19 +48,6 @@ def engine_pid(server_pid: int) -> int:
     raise RuntimeError("no engine-core process found")
 
 
-def wait_for(condition, timeout_s: float, interval_s: float = 0.01) -> float | None:
-    """Seconds until `condition()` held, or None after `timeout_s`."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        try:
-            if condition():
-                return time.monotonic() - start
-        except httpx.TransportError:
-            pass
-        time.sleep(interval_s)
-    return None
-
-
 def start_stream(url: str, headers: dict[str, str]) -> threading.Event:
     """A long streaming completion in a thread, returned once its first line arrived (or after 60 s);
     the event is set when the stream reports an error or breaks."""
