@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 
 import httpx
 
@@ -47,17 +48,52 @@ def engine_pid(server_pid: int) -> int:
     raise RuntimeError("no engine-core process found")
 
 
-def wait_for(condition, timeout_s: float, interval_s: float = 0.01) -> float | None:
-    """Seconds until `condition()` held, or None after `timeout_s`."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
+def start_stream(url: str, headers: dict[str, str]) -> threading.Event:
+    """A long streaming completion in a thread, returned once its first line arrived (or after 60 s);
+    the event is set when the stream reports an error or breaks."""
+    error_event = threading.Event()
+    streaming = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         try:
-            if condition():
-                return time.monotonic() - start
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as response:
+                for line in response.iter_lines():
+                    streaming.set()
+                    if '"error"' in line:
+                        error_event.set()
         except httpx.TransportError:
-            pass
-        time.sleep(interval_s)
-    return None
+            error_event.set()
+
+    threading.Thread(target=stream, daemon=True).start()
+    streaming.wait(60)
+    return error_event
+
+
+def health(url: str) -> int | None:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code
+    except httpx.TransportError:
+        return None
+
+
+def serves(url: str, headers: dict[str, str]) -> bool:
+    try:
+        return httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers,
+                          timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def poll_until_each_held(conditions: dict[str, Callable[[], bool]], since: float,
+                         held: dict[str, float | int | None]) -> None:
+    """Polls the conditions together, in order, until each has held once or 300 s passed; records
+    in `held` the seconds from `since` to each one's first time."""
+    while len(held) < len(conditions) and time.monotonic() - since < 300:
+        for name, condition in conditions.items():
+            if name not in held and condition():
+                held[name] = time.monotonic() - since
+        time.sleep(0.01)
 
 
 def run_once(server_flags: list[str], log_dir: str) -> dict[str, float | int | None]:
@@ -69,52 +105,19 @@ def run_once(server_flags: list[str], log_dir: str) -> dict[str, float | int | N
     url, server = service.url, service.popen
     try:
         service.wait_healthy()
-        error_event = threading.Event()
-        streaming = threading.Event()
-
-        def stream() -> None:
-            body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-            try:
-                with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as response:
-                    for line in response.iter_lines():
-                        streaming.set()
-                        if '"error"' in line:
-                            error_event.set()
-            except httpx.TransportError:
-                error_event.set()
-
-        threading.Thread(target=stream, daemon=True).start()
-        streaming.wait(60)
+        error_event = start_stream(url, headers)
         killed = time.monotonic()
         os.kill(engine_pid(server.pid), signal.SIGKILL)
         restarting = "--restart-engine-on-failure" in server_flags
-
-        def health() -> int | None:
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code
-            except httpx.TransportError:
-                return None
-
-        def serves() -> bool:
-            try:
-                return httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers,
-                                  timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        # polled together, in order, until each has held once (a server that exits never answers 503)
+        # what is timed from the kill (a server that exits never answers 503)
         conditions = {"stream_error_s": error_event.is_set}
         if restarting:
-            conditions["health_503_s"] = lambda: health() == 503
-            conditions["serving_again_s"] = lambda: "health_503_s" in result and serves()
+            conditions["health_503_s"] = lambda: health(url) == 503
+            conditions["serving_again_s"] = lambda: "health_503_s" in result and serves(url, headers)
         else:
             conditions["exit_s"] = lambda: server.poll() is not None
         result: dict[str, float | int | None] = {}
-        while len(result) < len(conditions) and time.monotonic() - killed < 300:
-            for name, condition in conditions.items():
-                if name not in result and condition():
-                    result[name] = time.monotonic() - killed
-            time.sleep(0.01)
+        poll_until_each_held(conditions, killed, result)
         result = {name: result.get(name) for name in conditions}
         if not restarting:
             result["exit_code"] = server.poll()

@@ -545,7 +545,7 @@ def cpu_line() -> str:
             f"{torch.get_num_threads()} threads")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -574,6 +574,66 @@ def main() -> None:
                          if importlib.util.find_spec(BACKENDS[name].modules[0]) is not None]
         args.workloads, args.walks, args.max_tokens = ["json small"], 1, 8
         args.compile_reps, args.setup_reps, args.compile_budget_s = 1, 1, 1.0
+    return args
+
+
+def set_up_backends(names: list[str], tokenizer: Any, setup_reps: int) -> list[Backend]:
+    """Each backend imported and set up for the tokenizer, timed, with its version and licence
+    (a table); the last setup of each is the one measured further."""
+    print("| backend | version | license | import (s) | setup first (s) | setup median (s) |")
+    print("|---|---|---|---|---|---|")
+    backends: list[Backend] = []
+    for name in names:
+        cls = BACKENDS[name]
+        imports = []
+        for module in cls.modules:
+            t0 = time.perf_counter()
+            importlib.import_module(module)
+            imports.append(f"{module} {time.perf_counter() - t0:.2f}")
+        setups = []
+        for _ in range(setup_reps):
+            t0 = time.perf_counter()
+            backend = cls(tokenizer)
+            setups.append(time.perf_counter() - t0)
+        backends.append(backend)
+        dist = importlib.metadata.metadata(cls.dist)
+        license_ = dist.get("License-Expression") or dist.get("License") or "?"
+        print(f"| {name} | {dist['Version']} | {license_} | {', '.join(imports)} | {setups[0]:.3f} "
+              f"| {statistics.median(setups):.3f} |")
+    return backends
+
+
+def print_compile_table(backends: list[Backend], table: list[bytes | None], eos: int, closer: np.ndarray,
+                        args: argparse.Namespace) -> list[str]:
+    """A row per workload and backend; returns the completed walks that failed validation."""
+    print("\n| workload | backend | compile first (ms) | compile cold p50 (ms) | cached (ms) "
+          "| TTFM (ms) | mask p50 (µs) | mask p99 (µs) | advance p50 (µs) | tokens/walk "
+          "| completed | valid | rollback k=1,2,4 (p50 µs) |")
+    print("|---" * 13 + "|")
+    invalid: list[str] = []
+    for workload in args.workloads:
+        kind, spec = WORKLOADS[workload]
+        for backend in backends:
+            row, texts = compile_row(backend, workload, kind, spec, table, eos, closer, args)
+            print(row, flush=True)
+            invalid += [f"{workload} / {backend.name}: {text!r}" for text in texts]
+    return invalid
+
+
+def print_apply_table(backends: list[Backend], eos: int, closer: np.ndarray, args: argparse.Namespace) -> None:
+    """Each backend's bitmask apply on one real mask (from the first backend's walk)."""
+    print("\n| backend | apply kernel (float32 logits, 49152) | first calls (s) | 1 row (µs) "
+          "| 8 rows (µs) |")
+    print("|---|---|---|---|---|")
+    mask = walk(backends[0], backends[0].compile("json", SMALL_SCHEMA), 0, eos, closer, args).masks[0]
+    for backend in backends:
+        first, one, eight = apply_times(backend, mask, args.apply_repeats)
+        print(f"| {backend.name} | {backend.apply_kernel} | {first:.2f} | {one:.1f} | {eight:.1f} |",
+              flush=True)
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.torch_threads)
     # an empty inductor cache, so llguidance's kernel compiles as on a fresh host
     inductor_cache = tempfile.TemporaryDirectory(prefix="grammar_backends_inductor_")
@@ -588,50 +648,12 @@ def main() -> None:
           f"triton importable: {importlib.util.find_spec('triton') is not None}; "
           f"jsonschema importable: {importlib.util.find_spec('jsonschema') is not None}\n")
 
-    print("| backend | version | license | import (s) | setup first (s) | setup median (s) |")
-    print("|---|---|---|---|---|---|")
-    backends: list[Backend] = []
-    for name in args.backends:
-        cls = BACKENDS[name]
-        imports = []
-        for module in cls.modules:
-            t0 = time.perf_counter()
-            importlib.import_module(module)
-            imports.append(f"{module} {time.perf_counter() - t0:.2f}")
-        setups = []
-        for _ in range(args.setup_reps):
-            t0 = time.perf_counter()
-            backend = cls(tokenizer)
-            setups.append(time.perf_counter() - t0)
-        backends.append(backend)
-        dist = importlib.metadata.metadata(cls.dist)
-        license_ = dist.get("License-Expression") or dist.get("License") or "?"
-        print(f"| {name} | {dist['Version']} | {license_} | {', '.join(imports)} | {setups[0]:.3f} "
-              f"| {statistics.median(setups):.3f} |")
-
-    print("\n| workload | backend | compile first (ms) | compile cold p50 (ms) | cached (ms) "
-          "| TTFM (ms) | mask p50 (µs) | mask p99 (µs) | advance p50 (µs) | tokens/walk "
-          "| completed | valid | rollback k=1,2,4 (p50 µs) |")
-    print("|---" * 13 + "|")
-    invalid: list[str] = []
-    for workload in args.workloads:
-        kind, spec = WORKLOADS[workload]
-        for backend in backends:
-            row, texts = compile_row(backend, workload, kind, spec, table, eos, closer, args)
-            print(row, flush=True)
-            invalid += [f"{workload} / {backend.name}: {text!r}" for text in texts]
-
+    backends = set_up_backends(args.backends, tokenizer, args.setup_reps)
+    invalid = print_compile_table(backends, table, eos, closer, args)
     if args.smoke:  # the apply kernels' first calls compile for minutes
         print("\napply kernels: not measured in --smoke")
         return
-    print("\n| backend | apply kernel (float32 logits, 49152) | first calls (s) | 1 row (µs) "
-          "| 8 rows (µs) |")
-    print("|---|---|---|---|---|")
-    mask = walk(backends[0], backends[0].compile("json", SMALL_SCHEMA), 0, eos, closer, args).masks[0]
-    for backend in backends:
-        first, one, eight = apply_times(backend, mask, args.apply_repeats)
-        print(f"| {backend.name} | {backend.apply_kernel} | {first:.2f} | {one:.1f} | {eight:.1f} |",
-              flush=True)
+    print_apply_table(backends, eos, closer, args)
     if args.show_invalid and invalid:
         print("\nCompleted walks that failed validation:\n" + "\n".join(invalid))
 

@@ -367,17 +367,10 @@ def _request_bytes(ctx: Context, path: str, body: bytes, headers: dict[str, str]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-@case
-async def unread_stream(ctx: Context, result: CaseResult) -> str:
-    """Chat streams with top_logprobs 20 whose clients never read (a small receive buffer,
-    nothing read) for --unread-seconds. The fixed server aborts such a stream once its
-    output queue passes a limit; the old one buffers every event. Only a long output shows
-    the growth: use a server whose max_model_len allows thousands of tokens (the default
-    model's), or several --unread-streams."""
-    max_tokens = ctx.args.unread_max_tokens or max(16, ctx.max_model_len - 64)
-    body = json.dumps({"messages": [{"role": "user", "content": "Write a very long story."}],
-                       "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "logprobs": True,
-                       "top_logprobs": 20}).encode()
+async def _open_unread_streams(ctx: Context, result: CaseResult,
+                               body: bytes) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """--unread-streams connections with a small receive buffer, each sent the streaming request
+    and then left unread."""
     writers = []
     for _ in range(ctx.args.unread_streams):
         try:
@@ -389,13 +382,15 @@ async def unread_stream(ctx: Context, result: CaseResult) -> str:
         except OSError as error:
             result.count(None)
             result.notes.append(f"connect: {error}")
-    before = await ctx.metrics() if writers else {}
-    await asyncio.sleep(ctx.args.unread_seconds)
-    in_flight = await ctx.in_flight()
-    after = await ctx.metrics() if writers else {}
-    # What the server did with the unread streams: still generating, or cut them?
+    return writers
+
+
+async def _read_what_each_holds(writers: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]],
+                                result: CaseResult) -> tuple[int, float]:
+    """Reads each stream for up to 3 s, counts its response status and closes it: a cut stream
+    ends (EOF), a live one goes on. Returns how many ended and the MB read."""
     ended, unread_mb = 0, 0.0
-    for reader, writer in writers:  # now read what each holds: a cut stream ends (EOF), a live one goes on
+    for reader, writer in writers:
         data, deadline = b"", time.monotonic() + 3
         try:
             while time.monotonic() < deadline:
@@ -410,6 +405,27 @@ async def unread_stream(ctx: Context, result: CaseResult) -> str:
         status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") and data[9:12].isdigit() else None
         result.statuses["error" if status is None else f"{status // 100}xx"] += 1
         writer.close()
+    return ended, unread_mb
+
+
+@case
+async def unread_stream(ctx: Context, result: CaseResult) -> str:
+    """Chat streams with top_logprobs 20 whose clients never read (a small receive buffer,
+    nothing read) for --unread-seconds. The fixed server aborts such a stream once its
+    output queue passes a limit; the old one buffers every event. Only a long output shows
+    the growth: use a server whose max_model_len allows thousands of tokens (the default
+    model's), or several --unread-streams."""
+    max_tokens = ctx.args.unread_max_tokens or max(16, ctx.max_model_len - 64)
+    body = json.dumps({"messages": [{"role": "user", "content": "Write a very long story."}],
+                       "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "logprobs": True,
+                       "top_logprobs": 20}).encode()
+    writers = await _open_unread_streams(ctx, result, body)
+    before = await ctx.metrics() if writers else {}
+    await asyncio.sleep(ctx.args.unread_seconds)
+    in_flight = await ctx.in_flight()
+    after = await ctx.metrics() if writers else {}
+    # What the server did with the unread streams: still generating, or cut them?
+    ended, unread_mb = await _read_what_each_holds(writers, result)
     busy = None if in_flight is None else max(0.0, in_flight - ctx.args.bystanders)
     result.notes.append(f"after {ctx.args.unread_seconds:.0f}s unread: {busy} requests in flight besides the "
                         f"bystanders; then {ended}/{len(writers)} streams ended within 3s of reading "

@@ -178,7 +178,7 @@ def project_nccl(ranks: dict, latency_us: float, busbw_gbs: float) -> dict:
             "compute_ms_per_step": 1000 * (worst["compute_s"] - worst["comm_s"])}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--configs", default=",".join(CONFIGS))
@@ -199,7 +199,12 @@ def main() -> None:
     if args.smoke:
         args.configs, args.rounds, args.requests, args.prompt_len, args.output_len = "tp1", 1, 2, 16, 4
         args.decode_len, args.collective_iterations = 4, 2
-    names = args.configs.split(",")
+    return args
+
+
+def run_rounds(names: list[str], args: argparse.Namespace) -> list[dict]:
+    """Every config once per round, their order reversed every other round; each result printed
+    as it comes."""
     mini = None
     results = []
     with tempfile.TemporaryDirectory() as folder:
@@ -213,12 +218,22 @@ def main() -> None:
                 result["round"] = round_index
                 results.append(result)
                 print(json.dumps(result), flush=True)
-    gloo = gloo_latency(args.collective_iterations)
-    print("\ngloo on this host (2 processes, 1 thread each):", json.dumps(gloo))
-    host = machine()
-    print(f"\n{host['cpu']}, {host['cpus']} cores, AVX-512: {host['avx512_flags'] or 'none'}, commit {host['commit']}")
-    print(f"medians over {args.rounds} round(s); NCCL projected at {args.nccl_latency_us:g} us + bytes / "
-          f"{args.nccl_busbw_gbs:g} GB/s per collective (assumed, not measured)\n")
+    return results
+
+
+def projected_median(rows: list[dict], phase: str, key: str, args: argparse.Namespace) -> str:
+    """The median over rounds of one figure of a phase's collectives with NCCL projected ("-" when
+    the config has no collectives)."""
+    projections = [project_nccl(r[phase], args.nccl_latency_us, args.nccl_busbw_gbs) for r in rows]
+    projections = [p for p in projections if p]
+    if not projections:
+        return "-"
+    value = statistics.median(p[key] for p in projections)
+    return f"{value:.2f}" if key.startswith("nccl") else f"{value:.1f}"
+
+
+def print_tables(names: list[str], results: list[dict], args: argparse.Namespace) -> None:
+    """The configs' medians: whole runs, then the decode steps alone."""
     header = ("config", "decode-1 TBT ms", "decode-8 TBT ms", "Scen. A tok/s", "A step p50 ms", "collectives/step",
               "KiB/step", "gloo comm ms/step", "compute ms/step", "NCCL comm ms/step (projected)")
     print("| " + " | ".join(header) + " |")
@@ -231,12 +246,7 @@ def main() -> None:
             return statistics.median(r[key] for r in rows)
 
         def pmed(phase: str, key: str) -> str:
-            projections = [project_nccl(r[phase], args.nccl_latency_us, args.nccl_busbw_gbs) for r in rows]
-            projections = [p for p in projections if p]
-            if not projections:
-                return "-"
-            value = statistics.median(p[key] for p in projections)
-            return f"{value:.2f}" if key.startswith("nccl") else f"{value:.1f}"
+            return projected_median(rows, phase, key, args)
 
         print(f"| {name} | {med('decode1_tbt_ms'):.1f} | {med('decode8_tbt_ms'):.1f} | {med('scenario_a_tok_s'):.1f} | "
               f"{med('scenario_a_step_ms_p50'):.0f} | {pmed('ranks', 'comm_ops_per_step')} | "
@@ -251,6 +261,19 @@ def main() -> None:
           "NCCL comm ms/step (projected) |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(phases))
+
+
+def main() -> None:
+    args = parse_args()
+    names = args.configs.split(",")
+    results = run_rounds(names, args)
+    gloo = gloo_latency(args.collective_iterations)
+    print("\ngloo on this host (2 processes, 1 thread each):", json.dumps(gloo))
+    host = machine()
+    print(f"\n{host['cpu']}, {host['cpus']} cores, AVX-512: {host['avx512_flags'] or 'none'}, commit {host['commit']}")
+    print(f"medians over {args.rounds} round(s); NCCL projected at {args.nccl_latency_us:g} us + bytes / "
+          f"{args.nccl_busbw_gbs:g} GB/s per collective (assumed, not measured)\n")
+    print_tables(names, results, args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"machine": host, "gloo": gloo, "results": results,

@@ -377,7 +377,8 @@ def ratio_of(c: dict, key: str, stat: str) -> float | None:
     return 1.0 if key == "baseline" else c.get(f"step_ratio_{key}_vs_baseline_{stat}")
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
+    """The arguments, and the configurations to run (c brings its streams-only run, c0)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--configs", default="a,b,c",
@@ -405,15 +406,10 @@ def main() -> None:
         parser.error(f"--configs takes a comma-separated subset of a,b,c, got {args.configs!r}")
     if "c" in configs:
         configs.append("c0")
-    if args.dry_run:
-        dry_run(configs, args)
-        return
-    if (os.cpu_count() or 0) < 2:
-        sys.exit("this benchmark pins processes to cores 0 and 1: it needs 2 cores")
-    workdir = args.workdir or tempfile.mkdtemp(prefix="pd-interference-")
-    os.makedirs(workdir, exist_ok=True)
-    out_path = args.out or os.path.join(workdir, "results.json")
-    host = machine()
+    return args, configs
+
+
+def print_setup(host: dict, workdir: str, args: argparse.Namespace) -> None:
     avx512 = f"yes ({host['avx512_flags']})" if host["avx512"] else "no"
     print(f"CPU: {host['cpu']}, {host['cpus']} cores, AVX-512: {avx512}; commit {host['commit']}; "
           f"load average {os.getloadavg()[0]:.1f}")
@@ -422,7 +418,10 @@ def main() -> None:
           f"{args.long_prompts} prompts of {args.long_len} tokens ({args.long_output_len} out) "
           f"every {args.long_every:g} s from t={args.long_start:g} s; seed {args.seed}", flush=True)
 
-    os.sched_setaffinity(0, {1})  # the load generator: the client runs on this thread (later threads inherit it)
+
+def run_rounds(configs: list[str], args: argparse.Namespace, workdir: str) -> tuple[list[dict], list[dict]]:
+    """Every configuration once per round, their order reversed every other round; returns each
+    round's derived figures and its raw rows. Every process started is stopped, whatever happens."""
     running: list[Service] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally below
     per_round: list[dict] = []
@@ -436,6 +435,24 @@ def main() -> None:
     finally:
         for process in reversed(running):
             process.stop()
+    return per_round, raw
+
+
+def main() -> None:
+    args, configs = parse_args()
+    if args.dry_run:
+        dry_run(configs, args)
+        return
+    if (os.cpu_count() or 0) < 2:
+        sys.exit("this benchmark pins processes to cores 0 and 1: it needs 2 cores")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="pd-interference-")
+    os.makedirs(workdir, exist_ok=True)
+    out_path = args.out or os.path.join(workdir, "results.json")
+    host = machine()
+    print_setup(host, workdir, args)
+
+    os.sched_setaffinity(0, {1})  # the load generator: the client runs on this thread (later threads inherit it)
+    per_round, raw = run_rounds(configs, args, workdir)
     present = [c for c in CONFIGS if c in configs]
     medians = {c: {key: median([r[c][key] for r in per_round]) for key in per_round[0][c]} for c in present}
     print_tables(medians, per_round, args)

@@ -65,7 +65,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
@@ -469,7 +469,7 @@ def csv_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated, of {', '.join(ALL_MODES)}")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -505,6 +505,113 @@ def main() -> None:
         parser.error(f"unknown mode(s)/workload(s): {unknown}")
     if args.vllm_rounds is None:
         args.vllm_rounds = args.rounds
+    return args
+
+
+def dry_run(workloads: Workloads, plan: list[tuple[int, str]], args: argparse.Namespace) -> None:
+    """What a run would do: the workloads' sizes and each round's server command."""
+    for name, runs in workloads.runs.items():
+        print(f"{name}: " + ", ".join(f"{streams} streams: {len(specs)} requests, prompts "
+                                      f"{statistics.mean(len(s.prompt_token_ids) for s in specs):.0f} tokens"
+                                      for streams, specs in runs.items()))
+    for round_index, mode in plan:
+        print(f"round {round_index + 1}: {mode}: {' '.join(server_command(mode, args))}")
+
+
+@dataclass
+class Collected:
+    """Everything a run gathers, kept when it is interrupted so the report covers what finished."""
+
+    results: list[dict] = field(default_factory=list)
+    servers: list[dict] = field(default_factory=list)
+    answers: dict[tuple[str, int], list[str]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    interrupted: bool = False
+
+
+def run_plan(plan: list[tuple[int, str]], workloads: Workloads, args: argparse.Namespace, log_path: str,
+             out: Collected, bar: tqdm) -> None:
+    """Every round of the plan, one server at a time; Ctrl-C ends it early (out.interrupted)."""
+    try:
+        for round_index, mode in plan:
+            bar.set_description(f"round {round_index + 1}: starting {mode}")
+            server = start_mode(mode, args, log_path)
+            try:
+                measure_server(server, mode, round_index, workloads, args, out, bar)
+            finally:
+                server.stop(wait_port=True)
+    except KeyboardInterrupt:  # report what finished (the servers are stopped by then)
+        out.interrupted = True
+    finally:
+        bar.close()
+        stop_all()
+
+
+def measure_server(server: Server, mode: str, round_index: int, workloads: Workloads, args: argparse.Namespace,
+                   out: Collected, bar: tqdm) -> None:
+    """One started server's round: the warm-up (which answers the check prompts), then every
+    workload at every stream count."""
+    start_s = server.wait_healthy()
+    bar.set_description(f"round {round_index + 1}: {mode} warm-up")
+    warm_start = time.monotonic()
+    out.answers[(mode, round_index)] = warm_up(server, workloads)
+    out.servers.append({"mode": mode, "round": round_index, "start_s": start_s,
+                        "warmup_s": time.monotonic() - warm_start})
+    for workload in args.workloads:
+        for streams, specs in workloads.runs[workload].items():
+            bar.set_description(f"round {round_index + 1}: {mode} {workload} x{streams}")
+            row, requests = measure(server, specs, streams)
+            row.update({"mode": mode, "round": round_index, "workload": workload, "streams": streams})
+            for problem in sanity(row, mode, args.num_speculative_tokens):
+                message = f"{mode} {workload} x{streams} round {round_index + 1}: {problem}"
+                out.problems.append(message)
+                tqdm.write("warning: " + message, file=sys.stderr)
+            if args.save_requests:
+                row["per_request"] = [{**r.to_dict(), **about} for r, about in
+                                      zip(requests, workloads.about[workload][streams])]
+            out.results.append(row)
+            bar.update()
+
+
+def medians_by_run(results: list[dict]) -> dict[tuple[str, str, int], dict]:
+    """(mode, workload, streams) -> the median over its rounds."""
+    groups: dict[tuple[str, str, int], list[dict]] = {}
+    for row in results:
+        groups.setdefault((row["mode"], row["workload"], row["streams"]), []).append(row)
+    return {key: median_rows(rows) for key, rows in groups.items()}
+
+
+def answers_same_as_off(answers: dict[tuple[str, int], list[str]]) -> dict[str, list[str]]:
+    """Per mode and round, how many greedy check answers match the same system's `off` answers
+    (speculation must not change a greedy answer)."""
+    same_as_off: dict[str, list[str]] = {}
+    for (mode, round_index), texts in answers.items():
+        base_mode = "vllm-off" if mode in VLLM_MODES else "off"
+        base = [t for (m, _), t in answers.items() if m == base_mode]
+        if mode != base_mode and base and texts:
+            same = sum(any(a == b[i] for b in base) for i, a in enumerate(texts))
+            same_as_off.setdefault(mode, []).append(f"{same}/{len(texts)}")
+    return same_as_off
+
+
+def write_results(args: argparse.Namespace, streams_list: list[int], host: dict, workloads: Workloads,
+                  medians: dict, same_as_off: dict, out: Collected) -> None:
+    config = {k: v for k, v in vars(args).items()}
+    config["streams"] = streams_list
+    config["requests_per_run"] = {str(s): requests_for(s, args) for s in streams_list}
+    config["speculative_config"] = {m: spec_config(args, m) for m in ("always", "auto")}
+    with open(args.out, "w") as f:
+        json.dump({"machine": host, "config": config, "workloads": workloads.description,
+                   "medians": [{"mode": m, "workload": w, "streams": s, **row} for (m, w, s), row in medians.items()],
+                   "results": out.results, "servers": out.servers,
+                   "check_answers": [{"mode": m, "round": r, "answers": t} for (m, r), t in out.answers.items()],
+                   "same_as_off": same_as_off, "problems": out.problems, "interrupted": out.interrupted}, f,
+                  indent=1)
+    print(f"\nwrote {args.out}", file=sys.stderr)
+
+
+def main() -> None:
+    args = parse_args()
     streams_list = [int(s) for s in csv_list(args.streams)]
     if any(m in VLLM_MODES for m in args.modes) and (missing := peer_missing(args.vllm_script)):
         print(f"skipping {', '.join(m for m in args.modes if m in VLLM_MODES)}: {missing}", file=sys.stderr)
@@ -522,90 +629,29 @@ def main() -> None:
           f"server logs in {log_path}", file=sys.stderr)
 
     if args.dry_run:
-        for name, runs in workloads.runs.items():
-            print(f"{name}: " + ", ".join(f"{streams} streams: {len(specs)} requests, prompts "
-                                          f"{statistics.mean(len(s.prompt_token_ids) for s in specs):.0f} tokens"
-                                          for streams, specs in runs.items()))
-        for round_index, mode in plan:
-            print(f"round {round_index + 1}: {mode}: {' '.join(server_command(mode, args))}")
+        dry_run(workloads, plan, args)
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally below (and the harness's atexit)
-    results: list[dict] = []
-    servers: list[dict] = []
-    answers: dict[tuple[str, int], list[str]] = {}
-    problems: list[str] = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs run_plan's finally (and the harness's atexit)
+    out = Collected()
     bar = tqdm(total=len(plan) * sum(len(workloads.runs[w]) for w in args.workloads), unit="run")
-    interrupted = False
-    try:
-        for round_index, mode in plan:
-            bar.set_description(f"round {round_index + 1}: starting {mode}")
-            server = start_mode(mode, args, log_path)
-            try:
-                start_s = server.wait_healthy()
-                bar.set_description(f"round {round_index + 1}: {mode} warm-up")
-                warm_start = time.monotonic()
-                answers[(mode, round_index)] = warm_up(server, workloads)
-                servers.append({"mode": mode, "round": round_index, "start_s": start_s,
-                                "warmup_s": time.monotonic() - warm_start})
-                for workload in args.workloads:
-                    for streams, specs in workloads.runs[workload].items():
-                        bar.set_description(f"round {round_index + 1}: {mode} {workload} x{streams}")
-                        row, requests = measure(server, specs, streams)
-                        row.update({"mode": mode, "round": round_index, "workload": workload, "streams": streams})
-                        for problem in sanity(row, mode, args.num_speculative_tokens):
-                            message = f"{mode} {workload} x{streams} round {round_index + 1}: {problem}"
-                            problems.append(message)
-                            tqdm.write("warning: " + message, file=sys.stderr)
-                        if args.save_requests:
-                            row["per_request"] = [{**r.to_dict(), **about} for r, about in
-                                                  zip(requests, workloads.about[workload][streams])]
-                        results.append(row)
-                        bar.update()
-            finally:
-                server.stop(wait_port=True)
-    except KeyboardInterrupt:  # report what finished (the servers are stopped by then)
-        interrupted = True
-    finally:
-        bar.close()
-        stop_all()
-    if interrupted:
-        print(f"\ninterrupted: {len(results)} of {bar.total} runs finished; reporting those", file=sys.stderr)
+    run_plan(plan, workloads, args, log_path, out, bar)
+    if out.interrupted:
+        print(f"\ninterrupted: {len(out.results)} of {bar.total} runs finished; reporting those", file=sys.stderr)
 
-    groups: dict[tuple[str, str, int], list[dict]] = {}
-    for row in results:
-        groups.setdefault((row["mode"], row["workload"], row["streams"]), []).append(row)
-    medians = {key: median_rows(rows) for key, rows in groups.items()}
+    medians = medians_by_run(out.results)
     print(f"\n{host['cpu']}, {host['cpus']} cores, AVX-512: {host['avx512_flags'] or 'none'}, commit {host['commit']}")
     print(f"ngram k={args.num_speculative_tokens}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}, "
           f"--max-num-batched-tokens {args.max_num_batched_tokens}; streams = requests in flight; TPOT over tokens")
     print_tables(medians, args, streams_list, workloads)
-
-    same_as_off = {}
-    for (mode, round_index), texts in answers.items():
-        base_mode = "vllm-off" if mode in VLLM_MODES else "off"
-        base = [t for (m, _), t in answers.items() if m == base_mode]
-        if mode != base_mode and base and texts:
-            same = sum(any(a == b[i] for b in base) for i, a in enumerate(texts))
-            same_as_off.setdefault(mode, []).append(f"{same}/{len(texts)}")
+    same_as_off = answers_same_as_off(out.answers)
     if same_as_off:
         print(f"\ngreedy answers ({CHECK_OUTPUT_LEN} tokens) identical to the same system's off, per round: "
               + "; ".join(f"{mode} {', '.join(v)}" for mode, v in same_as_off.items()))
-    if problems:
-        print("\nnumbers that make no sense:\n" + "\n".join(f"- {p}" for p in problems))
+    if out.problems:
+        print("\nnumbers that make no sense:\n" + "\n".join(f"- {p}" for p in out.problems))
     if args.out:
-        config = {k: v for k, v in vars(args).items()}
-        config["streams"] = streams_list
-        config["requests_per_run"] = {str(s): requests_for(s, args) for s in streams_list}
-        config["speculative_config"] = {m: spec_config(args, m) for m in ("always", "auto")}
-        with open(args.out, "w") as f:
-            json.dump({"machine": host, "config": config, "workloads": workloads.description,
-                       "medians": [{"mode": m, "workload": w, "streams": s, **row} for (m, w, s), row in medians.items()],
-                       "results": results, "servers": servers,
-                       "check_answers": [{"mode": m, "round": r, "answers": t} for (m, r), t in answers.items()],
-                       "same_as_off": same_as_off, "problems": problems, "interrupted": interrupted}, f,
-                      indent=1)
-        print(f"\nwrote {args.out}", file=sys.stderr)
-    if interrupted:
+        write_results(args, streams_list, host, workloads, medians, same_as_off, out)
+    if out.interrupted:
         sys.exit(130)
 
 

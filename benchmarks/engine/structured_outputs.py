@@ -680,7 +680,7 @@ def print_sampler_table(rows: list[dict]) -> None:
         print(f"| {row['masked_rows']} | {row['median_ms']:.3f} | {row['p99_ms']:.3f} | {row['over_unmasked_ms']:.3f} |")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--constrained", default="0,1,8", help="constrained streams per run, comma-separated")
@@ -712,6 +712,146 @@ def main() -> None:
         parser.error(f"--constrained must be within 0..{args.streams}")
     if args.vllm_rounds is None:
         args.vllm_rounds = args.rounds
+    return args
+
+
+@dataclass
+class Collected:
+    """Everything a run gathers, kept when it is interrupted so the report covers what finished."""
+
+    notes: list[str]
+    compiles: list[dict] = field(default_factory=list)
+    results: list[dict] = field(default_factory=list)
+    requests: list[dict] = field(default_factory=list)
+    servers: list[dict] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    vllm_unconstrained_only: bool = False
+    interrupted: bool = False
+
+
+def run_schedule(args: argparse.Namespace, log_path: str, qs: list[str], out: Collected) -> None:
+    """Every round of the plan, one server at a time; Ctrl-C ends it early (out.interrupted)."""
+    try:
+        for round_index, system, order in plan(args):
+            print(f"[{time.strftime('%H:%M:%S')}] round {round_index + 1}: starting {system}", file=sys.stderr)
+            server = start_system(system, args, log_path)
+            try:
+                measure_server(server, system, round_index, order, args, qs, out)
+            finally:
+                server.stop(wait_port=True)
+    except KeyboardInterrupt:
+        out.interrupted = True
+    finally:
+        stop_all()
+
+
+def measure_server(server: Server, system: str, round_index: int, order: list[int], args: argparse.Namespace,
+                   qs: list[str], out: Collected) -> None:
+    """One started server's round: its compile requests, a warm-up, then a run per constrained count."""
+    start_s = server.wait_healthy()
+    t0 = time.monotonic()
+    rows = measure_compiles(server, args)
+    out.compiles += [{"system": system, "round": round_index, **r} for r in rows]
+    compile_s = time.monotonic() - t0
+    if system == "vllm" and all(not r["ok"] for r in rows if r["phase"] != "unconstrained"):
+        errors = sorted({r["error"] for r in rows if r["error"]})
+        note = f"vLLM's CPU build refused every constrained request: {errors[:2]}"
+        if note not in out.notes:
+            out.notes.append(note)
+        out.vllm_unconstrained_only = True
+    t0 = time.monotonic()
+    warm = warm_up(server, args, qs)
+    if any(not r.ok for r in warm):
+        out.problems.append(f"{system} round {round_index + 1}: warm-up failures: "
+                            f"{sorted({r.error for r in warm if r.error})[:2]}")
+    out.servers.append({"system": system, "round": round_index, "start_s": start_s,
+                        "compile_phase_s": compile_s, "warmup_s": time.monotonic() - t0, "model": server.model})
+    for k in order:
+        if system == "vllm" and out.vllm_unconstrained_only and k:
+            continue
+        print(f"[{time.strftime('%H:%M:%S')}] round {round_index + 1}: {system}, {k} constrained", file=sys.stderr)
+        row, done = measure_run(server, args, k, qs)
+        row.update({"system": system, "round": round_index, "order_in_round": order.index(k) + 1})
+        for problem in sanity(row, system):
+            message = f"{system} {k} constrained, round {round_index + 1}: {problem}"
+            out.problems.append(message)
+            print("warning: " + message, file=sys.stderr)
+        out.results.append(row)
+        out.requests += kept_requests(done, system, round_index, k, args.save_requests)
+
+
+def kept_requests(done: list[ChatResult], system: str, round_index: int, k: int, save_all: bool) -> list[dict]:
+    """With --save-requests every request; otherwise the outputs' text only (what the constraint
+    did), one per class per run."""
+    run = {"system": system, "round": round_index, "constrained_streams": k}
+    if save_all:
+        return [{**run, **{key: v for key, v in asdict(r).items()}} for r in done]
+    kept = []
+    for cls in (True, False):
+        sample = next((r for r in done if r.constrained == cls and r.ok), None)
+        if sample:
+            kept.append({**run, "constrained": cls, "question": sample.question,
+                         "text": sample.text, "finish_reason": sample.finish_reason})
+    return kept
+
+
+def print_report(args: argparse.Namespace, host: dict, out: Collected, sampler_rows: list[dict]) -> None:
+    compiles, results = out.compiles, out.results
+    systems = [s for s in args.systems if any(r["system"] == s for r in compiles)]
+    print(f"\n{host['cpu']}, {host['cpus']} cores, AVX-512: {host['avx512_flags'] or 'none'}, commit {host['commit']}")
+    print(f"rounds: chunkserve {args.rounds}, vLLM {args.vllm_rounds}; {args.streams} streams x "
+          f"{args.requests_per_stream} requests each, at most {args.max_tokens} tokens, greedy; "
+          f"--max-num-batched-tokens {args.max_num_batched_tokens}")
+    for note in out.notes:
+        print(f"note: {note}")
+    if sampler_rows:
+        print_sampler_table(sampler_rows)
+    print_compile_table(compiles, systems)
+    print_compile_notes(compiles, systems)
+    print_decode_tables(results, systems, args)
+    print_rounds(results)
+    for system in systems:
+        prompt = [r["all"]["mean_prompt_tokens"] for r in results if r["system"] == system]
+        if prompt:
+            print(f"{system}: mean prompt tokens of the decode requests {med(prompt):.1f}")
+    if out.problems:
+        print("\nnumbers that make no sense:\n" + "\n".join(f"- {p}" for p in out.problems))
+
+
+def print_compile_notes(compiles: list[dict], systems: list[str]) -> None:
+    """What frames the compile table: first-request TTFTs, prompt sizes, and chunkserve's two
+    sources of its compile times side by side."""
+    firsts = {system: med(r["ttft_ms"] for r in compiles if r["system"] == system and r["case"] == "first request")
+              for system in systems}
+    print("\nfirst request after start-up (unconstrained), TTFT ms: "
+          + "; ".join(f"{system} {fmt(ttft, 0)}" for system, ttft in firsts.items()))
+    for system in systems:
+        rows = [r for r in compiles if r["system"] == system and r["case"] == COMPILE_CASES[-1][0]]
+        if rows:
+            print(f"\n{system}: prompt tokens of the compile requests {rows[0]['prompt_tokens']} (person question)")
+    if "chunkserve" in systems:
+        steps_vs_metrics = [(r["case"], r["compile_ms"], r["step_compile_ms"]) for r in compiles
+                            if r["system"] == "chunkserve" and r["phase"] == "cold"]
+        print("chunkserve cold compiles, /metrics against the step records (ms): "
+              + "; ".join(f"{c}: {m:.2f} vs {'+'.join(f'{s:.2f}' for s in st) or 'none'}"
+                          for c, m, st in steps_vs_metrics))
+
+
+def write_results(path: str, args: argparse.Namespace, host: dict, out: Collected, sampler_rows: list[dict]) -> None:
+    config = dict(vars(args))
+    config["person_schema"] = PERSON_SCHEMA
+    config["compile_cases"] = [{"name": n, "form": f, "question": q} for n, f, q in COMPILE_CASES]
+    with open(path, "w") as f:
+        json.dump({"machine": host, "config": config, "notes": out.notes, "sampler": sampler_rows,
+                   "compiles": out.compiles, "results": out.results,
+                   "servers": out.servers, "requests": out.requests, "problems": out.problems,
+                   "interrupted": out.interrupted},
+                  f, indent=1)
+    print(f"\nwrote {path}", file=sys.stderr)
+
+
+def main() -> None:
+    args = parse_args()
     notes: list[str] = []
     if "vllm" in args.systems and (missing := peer_missing(args.vllm_script)):
         notes.append(f"vLLM not measured: {missing}")
@@ -732,114 +872,15 @@ def main() -> None:
     if args.dry_run:
         dry_run(args, notes, sampler_rows)
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally below (and the harness's atexit)
-    qs = questions(args)
-    compiles: list[dict] = []
-    results: list[dict] = []
-    requests: list[dict] = []
-    servers: list[dict] = []
-    problems: list[str] = []
-    vllm_unconstrained_only = False
-    interrupted = False
-    schedule = plan(args)
-    try:
-        for position, (round_index, system, order) in enumerate(schedule):
-            print(f"[{time.strftime('%H:%M:%S')}] round {round_index + 1}: starting {system}", file=sys.stderr)
-            server = start_system(system, args, log_path)
-            try:
-                start_s = server.wait_healthy()
-                t0 = time.monotonic()
-                rows = measure_compiles(server, args)
-                compiles += [{"system": system, "round": round_index, **r} for r in rows]
-                compile_s = time.monotonic() - t0
-                if system == "vllm" and all(not r["ok"] for r in rows if r["phase"] != "unconstrained"):
-                    errors = sorted({r["error"] for r in rows if r["error"]})
-                    note = f"vLLM's CPU build refused every constrained request: {errors[:2]}"
-                    if note not in notes:
-                        notes.append(note)
-                    vllm_unconstrained_only = True
-                t0 = time.monotonic()
-                warm = warm_up(server, args, qs)
-                if any(not r.ok for r in warm):
-                    problems.append(f"{system} round {round_index + 1}: warm-up failures: "
-                                    f"{sorted({r.error for r in warm if r.error})[:2]}")
-                servers.append({"system": system, "round": round_index, "start_s": start_s,
-                                "compile_phase_s": compile_s, "warmup_s": time.monotonic() - t0,
-                                "model": server.model})
-                for k in order:
-                    if system == "vllm" and vllm_unconstrained_only and k:
-                        continue
-                    print(f"[{time.strftime('%H:%M:%S')}] round {round_index + 1}: {system}, {k} constrained",
-                          file=sys.stderr)
-                    row, done = measure_run(server, args, k, qs)
-                    row.update({"system": system, "round": round_index, "order_in_round": order.index(k) + 1})
-                    for problem in sanity(row, system):
-                        message = f"{system} {k} constrained, round {round_index + 1}: {problem}"
-                        problems.append(message)
-                        print("warning: " + message, file=sys.stderr)
-                    results.append(row)
-                    if args.save_requests:
-                        requests += [{"system": system, "round": round_index, "constrained_streams": k,
-                                      **{key: v for key, v in asdict(r).items()}} for r in done]
-                    else:  # the outputs' text only (what the constraint did), one per class per run
-                        for cls in (True, False):
-                            sample = next((r for r in done if r.constrained == cls and r.ok), None)
-                            if sample:
-                                requests.append({"system": system, "round": round_index, "constrained_streams": k,
-                                                 "constrained": cls, "question": sample.question,
-                                                 "text": sample.text, "finish_reason": sample.finish_reason})
-            finally:
-                server.stop(wait_port=True)
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        stop_all()
-    if interrupted:
-        print(f"\ninterrupted: {len(results)} runs finished; reporting those", file=sys.stderr)
-
-    systems = [s for s in args.systems if any(r["system"] == s for r in compiles)]
-    print(f"\n{host['cpu']}, {host['cpus']} cores, AVX-512: {host['avx512_flags'] or 'none'}, commit {host['commit']}")
-    print(f"rounds: chunkserve {args.rounds}, vLLM {args.vllm_rounds}; {args.streams} streams x "
-          f"{args.requests_per_stream} requests each, at most {args.max_tokens} tokens, greedy; "
-          f"--max-num-batched-tokens {args.max_num_batched_tokens}")
-    for note in notes:
-        print(f"note: {note}")
-    if sampler_rows:
-        print_sampler_table(sampler_rows)
-    print_compile_table(compiles, systems)
-    firsts = {system: med(r["ttft_ms"] for r in compiles if r["system"] == system and r["case"] == "first request")
-              for system in systems}
-    print("\nfirst request after start-up (unconstrained), TTFT ms: "
-          + "; ".join(f"{system} {fmt(ttft, 0)}" for system, ttft in firsts.items()))
-    for system in systems:
-        rows = [r for r in compiles if r["system"] == system and r["case"] == COMPILE_CASES[-1][0]]
-        if rows:
-            print(f"\n{system}: prompt tokens of the compile requests {rows[0]['prompt_tokens']} (person question)")
-    if "chunkserve" in systems:
-        steps_vs_metrics = [(r["case"], r["compile_ms"], r["step_compile_ms"]) for r in compiles
-                            if r["system"] == "chunkserve" and r["phase"] == "cold"]
-        print("chunkserve cold compiles, /metrics against the step records (ms): "
-              + "; ".join(f"{c}: {m:.2f} vs {'+'.join(f'{s:.2f}' for s in st) or 'none'}"
-                          for c, m, st in steps_vs_metrics))
-    print_decode_tables(results, systems, args)
-    print_rounds(results)
-    for system in systems:
-        prompt = [r["all"]["mean_prompt_tokens"] for r in results if r["system"] == system]
-        if prompt:
-            print(f"{system}: mean prompt tokens of the decode requests {med(prompt):.1f}")
-    if problems:
-        print("\nnumbers that make no sense:\n" + "\n".join(f"- {p}" for p in problems))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs run_schedule's finally (and the harness's atexit)
+    out = Collected(notes)
+    run_schedule(args, log_path, questions(args), out)
+    if out.interrupted:
+        print(f"\ninterrupted: {len(out.results)} runs finished; reporting those", file=sys.stderr)
+    print_report(args, host, out, sampler_rows)
     if args.out:
-        config = dict(vars(args))
-        config["person_schema"] = PERSON_SCHEMA
-        config["compile_cases"] = [{"name": n, "form": f, "question": q} for n, f, q in COMPILE_CASES]
-        with open(args.out, "w") as f:
-            json.dump({"machine": host, "config": config, "notes": notes, "sampler": sampler_rows,
-                       "compiles": compiles, "results": results,
-                       "servers": servers, "requests": requests, "problems": problems, "interrupted": interrupted},
-                      f, indent=1)
-        print(f"\nwrote {args.out}", file=sys.stderr)
-    if interrupted:
+        write_results(args.out, args, host, out, sampler_rows)
+    if out.interrupted:
         sys.exit(130)
 
 
