@@ -17,7 +17,7 @@ from chunkserve.entrypoints.args import from_cli_args
 from chunkserve.entrypoints.cli import build_parser
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
-SHIPPED = os.path.join(BENCHMARKS, "sweep.yaml")
+SHIPPED = os.path.join(BENCHMARKS, "peers", "sweep.yaml")
 
 
 def test_the_shipped_sweep_has_every_configuration_the_study_needs():
@@ -28,7 +28,7 @@ def test_the_shipped_sweep_has_every_configuration_the_study_needs():
     assert set(config.workloads) == {"interference", "throughput"} and config.capacity["slo_tbt_ms"] > 0
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(BENCHMARKS, "*.yaml"))), ids=os.path.basename)
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(BENCHMARKS, "*", "*.yaml"))), ids=os.path.basename)
 def test_every_shipped_sweep_config_parses(path):
     """A typo in a flag would otherwise surface only when its server starts, deep in a long sweep."""
     config = SweepConfig.load(path)
