@@ -36,7 +36,8 @@ each library costs at each point of that loop, on the CPU, in one process:
   under /tmp, as on a fresh host), xgrammar's native CPU kernel, and a plain
   torch unpack + `masked_fill_` (what a wrapper without a library kernel would do; used for
   outlines-core, whose own kernel is torch.compile'd like llguidance's). torch runs on
-  `--torch-threads` (1: on a busy 2-core host, 2 threads made each apply take 60-80 ms).
+  `--torch-threads` (1: on a busy 2-core host, 2 threads made each apply many times slower;
+  docs/benchmarks-log.md, "Costs behind choices in the code").
 
 The libraries need not be installed in the venv:
 
@@ -558,8 +559,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--setup-reps", type=int, default=3)
     parser.add_argument("--apply-repeats", type=int, default=50)
     parser.add_argument("--torch-threads", type=int, default=1,
-                        help="torch threads (on an oversubscribed 2-core host, 2 threads made "
-                             "each bitmask apply take 60-80 ms)")
+                        help="torch threads (1: on an oversubscribed 2-core host, more threads made "
+                             "each bitmask apply many times slower)")
     parser.add_argument("--p-eos", type=float, default=0.5, help="chance to take EOS when allowed")
     parser.add_argument("--p-close", type=float, default=0.8,
                         help="chance to pick among allowed tokens containing a closing character")

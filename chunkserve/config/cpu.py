@@ -29,8 +29,9 @@ def cpu_flags() -> frozenset[str]:
 
 
 def native_bf16() -> bool:
-    """True where the CPU has AVX512_BF16 or AMX: bfloat16 matrix products there run at about
-    twice float32's rate; elsewhere torch emulates them, far slower than float32."""
+    """True where the CPU has AVX512_BF16 or AMX: bfloat16 matrix products there run faster than
+    float32's; elsewhere torch emulates them, far slower than float32 (measured:
+    docs/benchmarks-log.md, "The machine, and what its CPU offers")."""
     return bool(cpu_flags() & BF16_FLAGS.keys())
 
 
