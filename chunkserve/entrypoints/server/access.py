@@ -62,10 +62,10 @@ def include_routers(app: FastAPI, modules: Iterable[AccessRouters], protect_metr
     access: dict[str, Access] = {}
     for module in modules:
         for route in module.routes():
-            # Added route by route rather than with include_router, so that app.routes lists every
-            # route itself (recent FastAPI keeps an included router as one nested entry).
-            app.router.add_api_route(route.path, route.endpoint, methods=route.methods, name=route.name,
-                                     route_class_override=type(route))
+            # The route itself, as its router built it (every parameter it was declared with kept),
+            # rather than include_router, so that app.routes lists each route (recent FastAPI keeps
+            # an included router as one nested entry). The routers have no prefix: paths are final.
+            app.router.routes.append(route)
             declared = route.access
             if declared is Access.METRICS:
                 declared = Access.KEY if protect_metrics else Access.OPEN
