@@ -73,7 +73,7 @@ def test_self_draft_accepts_every_draft(self_draft_server, tiny_llm):
     drafts, draft_tokens, accepted = metrics[DRAFTS], metrics[DRAFT_TOKENS], metrics[ACCEPTED]
     assert drafts == num_runs and draft_tokens == K * num_runs
     assert accepted / draft_tokens == 1.0, "the target rejected its own greedy drafts"
-    assert 1 + accepted / drafts == K + 1  # mean acceptance length
+    # (so vLLM's mean acceptance length, 1 + accepted / drafts, is K + 1 here)
     assert [metrics.get(per_pos(p)) for p in range(K)] == [num_runs] * K
     assert per_pos(K) not in metrics
     assert metrics["chunkserve:generation_tokens_total{}"] == len(prompts) * MAX_TOKENS
