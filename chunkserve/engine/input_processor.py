@@ -193,7 +193,10 @@ class InputProcessor:
             if len(prompt) > self.limits.max_prompt_chars:
                 raise InvalidRequestError(f"prompt has {len(prompt)} characters, over the limit of "
                                           f"{self.limits.max_prompt_chars} (--max-prompt-chars)", "prompt")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            if not token_ids:  # e.g. control characters the tokenizer drops
+                raise InvalidRequestError(f"prompt {prompt[:40]!r} encodes to no tokens", "prompt")
+            return prompt, token_ids
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
         if not prompt:

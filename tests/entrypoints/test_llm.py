@@ -207,6 +207,7 @@ def test_abort_mid_generation_frees_everything(default_llm):
 @pytest.mark.parametrize("prompt, params, message", [
     ("", SamplingParams(), "prompt is empty"),
     ([], SamplingParams(), "prompt is empty"),
+    ("\x06", SamplingParams(), "encodes to no tokens"),  # the tokenizer drops the control character
     ([10**9], SamplingParams(), "out of range"),
     ("word " * 9000, SamplingParams(), r"prompt has \d+ tokens, but max_model_len is"),
     ("hi", SamplingParams(max_tokens=10**6), "exceeds max_model_len"),

@@ -290,6 +290,7 @@ def test_prefix_cache_hits_show_in_usage_and_metrics_and_reset_waits_for_idle(ti
     ("/v1/completions", {"prompt": 5}, 400, "prompt", "prompt"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 400, "model 'gpt-4' does not exist", "model"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt is empty", "prompt"),
+    ("/v1/completions", {"prompt": "\x06"}, 400, "encodes to no tokens", "prompt"),
     ("/v1/completions", {"prompt": "hi " * 6000}, 400, r"prompt has \d+ tokens, but max_model_len is \d+", "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, r"exceeds max_model_len \(\d+", "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, r"max_tokens must be at least 1 \(0 only with echo",
