@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from chunkserve.core.multimodal import MultiModalFeature
 from chunkserve.core.stats import RankStepStats
 from chunkserve.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class NewRequestData:
     eos_token_id: int | None
     output_token_ids: list[int] = field(default_factory=list)  # an imported request's output so far
     generator_state: bytes | None = None  # an imported seeded request's generator, where it stopped
+    mm_features: list[MultiModalFeature] = field(default_factory=list)  # its images (the encoder's inputs)
 
 
 @dataclass
@@ -63,6 +65,9 @@ class ScheduledRequest:
     # structured outputs: int32 [num_sampled_rows, words], the tokens each sampling row allows (bit t of word
     # t // 32); None: no grammar
     grammar_bitmask: np.ndarray | None = None
+    # images: indices into the request's mm_features whose encoder runs in this step (before the forward); the
+    # step's rows in their ranges take slices of the encoder cache's output
+    encoder_inputs: list[int] = field(default_factory=list)
 
     @property
     def num_sampled_rows(self) -> int:
@@ -84,6 +89,7 @@ class SchedulerOutput:
     prefill_wait_guard: bool = False  # a prompt got tokens past the TBT SLO: it had waited too long
     kv_connector_metadata: object = None  # what the KV connector's worker side loads or saves this step
     grammar_mask_s: float = 0.0  # seconds the scheduler spent filling grammar bitmasks for this step
+    free_encoder_ids: list[str] = field(default_factory=list)  # encoder outputs (by identifier) the worker drops
 
     @property
     def num_scheduled_tokens(self) -> int:

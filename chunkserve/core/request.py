@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from chunkserve.core.disagg.protocol import TransferParams
+from chunkserve.core.multimodal import MultiModalFeature
 from chunkserve.sampling_params import SamplingParams
 
 
@@ -69,6 +70,7 @@ class Request:
     generator_state: bytes | None = None  # an imported seeded request's generator, for the worker
     kv_transfer_params: TransferParams | None = None  # disaggregated: the room its KV goes to or comes from
     admission_seq: int = 0  # when it last started running, in the scheduler's count: the latest is preempted first
+    mm_features: list[MultiModalFeature] = field(default_factory=list)  # its images' placeholder ranges, in order
 
     def __post_init__(self) -> None:
         if self.sampling_params.max_tokens is None:

@@ -136,6 +136,7 @@ class EngineCore:
             arrival_time=request.arrival_time,
             cache_salt=request.cache_salt,
             kv_transfer_params=request.kv_transfer_params,
+            mm_features=request.mm_features,
         ))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:

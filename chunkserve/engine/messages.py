@@ -10,12 +10,13 @@ does not grow with the request's history.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from chunkserve.core.disagg.protocol import TransferParams
 from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.messages import EngineCoreOutput
+from chunkserve.core.multimodal import MultiModalFeature
 from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.outputs import StepRecord
 from chunkserve.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None  # namespaces the request's prefix-cache hashes
     kv_transfer_params: TransferParams | None = None  # disaggregated: its room and prefill instance
+    mm_features: list[MultiModalFeature] = field(default_factory=list)  # its images, in prompt order
 
 
 def imported_core_request(snapshot: RequestSnapshot, request_id: str | None = None) -> EngineCoreRequest:

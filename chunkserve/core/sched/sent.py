@@ -176,4 +176,5 @@ def _new_request_data(request: Request) -> NewRequestData:
         eos_token_id=request.eos_token_id,
         output_token_ids=list(request.output_token_ids),
         generator_state=request.generator_state,
+        mm_features=request.mm_features,
     )
