@@ -105,6 +105,11 @@ class EncoderCacheManager:
         self.num_free_slots += rows
         self._evicted.append(identifier)
 
+    def evicted_again(self, identifiers: list[str]) -> None:
+        """Tell the worker again (with the next step) to drop outputs evicted earlier: the step
+        that told it failed."""
+        self._evicted.extend(identifiers)
+
     def take_evicted(self) -> list[str]:
         """The outputs evicted since the last call: the worker drops them."""
         evicted, self._evicted = self._evicted, []

@@ -150,7 +150,9 @@ class EncoderInputs:
         self.cache.free(request.request_id, request.mm_features)
 
     def void(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
-        """The step failed: the outputs it encoded may not exist, so they are encoded again when needed."""
+        """The step failed before or after the worker saw it: the outputs it encoded may not exist, so
+        they are encoded again when needed, and the outputs it freed are freed again with the next step."""
+        self.cache.evicted_again(output.free_encoder_ids)
         for scheduled in output.scheduled:
             request = requests.get(scheduled.request_id)
             for index in scheduled.encoder_inputs if request is not None else ():
