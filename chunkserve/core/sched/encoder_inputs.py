@@ -76,7 +76,7 @@ class EncoderInputs:
                     "--encoder-cache-size and --max-num-batched-encoder-embeds", param="messages")
             if feature.end > request.num_prompt_tokens or (index and feature.offset < features[index - 1].end):
                 raise InvalidRequestError(f"image {index}'s placeholder range [{feature.offset}, {feature.end}) "
-                                          "is outside the prompt or overlaps the one before it", param="messages")
+                                          "is outside the prompt or does not follow the one before it", param="messages")
 
     def plan(self, request: Request, start: int, num_tokens: int, room: int, step: StepBuilder) -> EncoderPlan:
         """The chunk [start, start + num_tokens) of the request's prompt after the encoder's limits
