@@ -251,3 +251,17 @@ def test_scheduler_config_checks_the_encoder_flags():
         SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=100, block_size=4,
                         encoder_cache_size=0)
     assert image("x", 0, 3).num_embeds == 3
+
+
+def test_the_ttft_slo_counts_the_images_a_prompt_still_has_to_encode():
+    """10 ms + 1 ms per row: the image prompt's 80 rows make its 100 ms deadline, its 60 encoder rows
+    (1 ms each) do not, so the text prompt that arrived after it goes first."""
+    predictor = StepTimePredictor()
+    predictor.coefficients = np.array([0.01, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    scheduler = mm_scheduler(max_num_batched_tokens=32, predictor=predictor, clock=lambda: 0.005, ttft_slo_ms=100,
+                             max_tokens_per_mm_item=64)
+    scheduler.add_request(image_request("img", 80, [("cat", 10, 60)]))
+    text = make_request("text", 12)
+    text.arrival_time = 0.005
+    scheduler.add_request(text)
+    assert scheduler.schedule().scheduled[0].request_id == "text"
