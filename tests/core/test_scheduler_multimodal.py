@@ -47,7 +47,9 @@ def run_recording(scheduler, runner, requests):
 
 
 def test_an_image_is_encoded_once_across_chunks_and_then_found_in_the_cache():
-    scheduler, runner = mm_scheduler(max_num_batched_tokens=8, encoder_cache_size=64), EncoderRunner()
+    scheduler = mm_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=8, max_num_partial_prefills=2,
+                             max_long_partial_prefills=2, encoder_cache_size=64)  # two prompts, 8 tokens each per step
+    runner = EncoderRunner()
     first = image_request("first", 40, [("cat", 6, 20)])
     outputs = run_recording(scheduler, runner, [first])
     chunks = chunks_of(outputs, "first")
@@ -60,7 +62,14 @@ def test_an_image_is_encoded_once_across_chunks_and_then_found_in_the_cache():
     running_twin = image_request("running-twin", 30, [("dog", 2, 12)], text_seed="a")
     twin = image_request("twin", 30, [("dog", 2, 12)], text_seed="b")
     again = image_request("again", 40, [("cat", 10, 20)], text_seed="c")
-    outputs = run_recording(scheduler, runner, [running_twin, twin, again])
+    outputs, shared = [], []
+
+    def check(scheduler, output):
+        outputs.append(output)
+        shared.append(all(scheduler.encoder.cache.holds("dog", r) for r in ("running-twin", "twin")))
+
+    run(scheduler, [running_twin, twin, again], check, runner=runner)
+    assert any(shared), "twin found dog while running-twin still needed it"
     assert runner.encodes_of("twin") == [] and runner.encodes_of("again") == []
     assert runner.encodes_of("running-twin") == ["dog"]
     assert sum(o.encoder_cache_hits for o in outputs) == 2
