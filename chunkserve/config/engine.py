@@ -96,6 +96,9 @@ class EngineArgs:
     tbt_slo_ms: float | None = flag_of(SchedulerConfig, "tbt_slo_ms")
     max_prefill_wait_ms: float = flag_of(SchedulerConfig, "max_prefill_wait_ms")
     ttft_slo_ms: float | None = flag_of(SchedulerConfig, "ttft_slo_ms")
+    max_num_batched_encoder_embeds: int | None = flag_of(SchedulerConfig, "max_num_batched_encoder_embeds")
+    encoder_cache_size: int | None = flag_of(SchedulerConfig, "encoder_cache_size")
+    disable_chunked_mm_input: bool = flag_of(SchedulerConfig, "disable_chunked_mm_input")
     block_size: int = flag_of(CacheConfig, "block_size")
     kv_cache_memory_gb: float = flag_of(CacheConfig, "kv_cache_memory_gb")
     kv_cache_memory_bytes: int | None = flag_of(CacheConfig, "kv_cache_memory_bytes")
@@ -285,8 +288,9 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
         )
 
-    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        """The scheduler's settings, with the defaults that depend on the model's length limit resolved."""
+    def scheduler_config(self, max_model_len: int, max_tokens_per_mm_item: int | None = None) -> SchedulerConfig:
+        """The scheduler's settings, with the defaults that depend on the model resolved: its length
+        limit and, for a multimodal model, its most placeholder tokens per item."""
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = SchedulerConfig.default_budget(max_model_len, self.enable_chunked_prefill, self.tbt_slo_ms)
@@ -310,12 +314,17 @@ class EngineArgs:
             max_steps_in_flight=self.parallel_config().max_steps_in_flight,
             tokens_from_steps=self.tokens_from_steps,
             speculative=self.speculative(),
+            max_num_batched_encoder_embeds=self.max_num_batched_encoder_embeds,
+            encoder_cache_size=self.encoder_cache_size,
+            disable_chunked_mm_input=self.disable_chunked_mm_input,
+            max_tokens_per_mm_item=max_tokens_per_mm_item,
         )
 
-    def create_engine_config(self, max_model_len: int) -> EngineConfig:
-        """Every resolved leaf, once the model's length limit is known (each checks itself)."""
+    def create_engine_config(self, max_model_len: int, max_tokens_per_mm_item: int | None = None) -> EngineConfig:
+        """Every resolved leaf, once the model is known (each checks itself): its length limit and,
+        multimodal, its most placeholder tokens per item."""
         return EngineConfig(
-            scheduler=self.scheduler_config(max_model_len),
+            scheduler=self.scheduler_config(max_model_len, max_tokens_per_mm_item),
             cache=self.cache_config(),
             parallel=self.parallel_config(),
             kv_connector=self.kv_connector_config(),

@@ -122,6 +122,22 @@ class SchedulerConfig:
     # keeping what they sampled: with several ranks, only one samples
     tokens_from_steps: bool = False
     speculative: SpeculativeConfig | None = None
+    max_num_batched_encoder_embeds: int | None = arg(
+        None, "most encoder output rows (image embeddings) the vision encoder computes in one step (default: "
+        "max_num_batched_tokens; never below the model's largest item)", type=human_readable_int
+    )
+    encoder_cache_size: int | None = arg(
+        None, "encoder output rows the encoder cache holds, for images whose rows are not in the KV cache yet "
+        "and for reuse by content (default: max_num_batched_tokens; never below the model's largest item)",
+        type=human_readable_int
+    )
+    disable_chunked_mm_input: bool = arg(
+        False, "schedule each image's placeholder range whole in one step or not at all (a prompt chunk never "
+        "ends inside an image)"
+    )
+    # the model's most placeholder tokens per multimodal item, set by the engine from the model; None: a text
+    # model (nothing multimodal applies)
+    max_tokens_per_mm_item: int | None = None
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -134,6 +150,7 @@ class SchedulerConfig:
                 _fail(f"{name} must be positive, got {value}")
         if self.max_prefill_wait_ms < 0:
             _fail(f"max_prefill_wait_ms must be non-negative, got {self.max_prefill_wait_ms}")
+        self._check_multimodal()
 
     def _check_budget(self) -> None:
         """A step holds every running decode and, without chunking, a whole prompt; chunks are whole blocks."""
@@ -163,6 +180,28 @@ class SchedulerConfig:
                   f"max_num_partial_prefills ({self.max_num_partial_prefills})")
         if self.chunk_align is not None and (self.chunk_align < 1 or self.chunk_align % self.block_size):
             _fail(f"chunk_align must be a positive multiple of block_size ({self.block_size}), got {self.chunk_align}")
+
+    def _check_multimodal(self) -> None:
+        for name in ("max_num_batched_encoder_embeds", "encoder_cache_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                _fail(f"{name} must be positive, got {value}")
+        item = self.max_tokens_per_mm_item
+        if self.disable_chunked_mm_input and item is not None and item > self.max_num_batched_tokens:
+            _fail(f"Chunked MM input disabled but max_tokens_per_mm_item ({item}) is larger than "
+                  f"max_num_batched_tokens ({self.max_num_batched_tokens}). Please increase max_num_batched_tokens.")
+
+    @property
+    def encoder_compute_budget(self) -> int:
+        """Encoder output rows one step may compute: the flag or the token budget, floored at the
+        model's largest item so that every item can run (vLLM's compute_mm_encoder_budget)."""
+        return max(self.max_num_batched_encoder_embeds or self.max_num_batched_tokens,
+                   self.max_tokens_per_mm_item or 0)
+
+    @property
+    def encoder_cache_capacity(self) -> int:
+        """Encoder output rows the encoder cache holds, floored as `encoder_compute_budget`."""
+        return max(self.encoder_cache_size or self.max_num_batched_tokens, self.max_tokens_per_mm_item or 0)
 
     @property
     def chunk_alignment(self) -> int:

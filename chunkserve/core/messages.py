@@ -89,7 +89,12 @@ class SchedulerOutput:
     prefill_wait_guard: bool = False  # a prompt got tokens past the TBT SLO: it had waited too long
     kv_connector_metadata: object = None  # what the KV connector's worker side loads or saves this step
     grammar_mask_s: float = 0.0  # seconds the scheduler spent filling grammar bitmasks for this step
-    free_encoder_ids: list[str] = field(default_factory=list)  # encoder outputs (by identifier) the worker drops
+    # encoder outputs (by identifier) the worker drops, before it runs this step's encoder inputs (an output
+    # evicted and encoded again in one step is the new one)
+    free_encoder_ids: list[str] = field(default_factory=list)
+    num_encoder_inputs: int = 0  # images encoded in this step (the scheduled requests' encoder_inputs)
+    num_encoder_embeds: int = 0  # their encoder output rows
+    encoder_cache_hits: int = 0  # images a request found in the encoder cache in this step (not encoded again)
 
     @property
     def num_scheduled_tokens(self) -> int:

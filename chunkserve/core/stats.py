@@ -101,6 +101,9 @@ class SchedulerStats:
     kv_tier: KVTierStats | None = None  # the KV connector's tier (disk tier), when it has one
     kv_transfer: KVTransferStats | None = None  # prefill/decode disaggregation's transfers, when disaggregated
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counts, when it is configured
+    encoder_inputs_total: int = 0  # images encoded
+    encoder_embeds_total: int = 0  # their encoder output rows
+    encoder_cache_hits_total: int = 0  # images a request found in the encoder cache (not encoded again)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

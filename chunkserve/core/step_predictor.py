@@ -4,7 +4,7 @@ SGLang fits f(l) = a*l^2 + b*l + c to a chunk's length for pipeline parallelism;
 whole mixed step, because a step is decodes plus chunks:
 
     t = c + a_p * prefill_rows + a_d * decode_rows + b_p * prefill_attention + b_d * decode_attention
-          + a_s * draft_rows
+          + a_s * draft_rows + a_e * encoder_embeds
 
 where a chunk's attention work is the number of (query, key) pairs it scores, sum over its
 tokens of the keys before them (quadratic in its length: SGLang's l^2 term), and a decode's
@@ -35,14 +35,20 @@ multi-row query, which costs more per row than single-row decodes. The draft pol
 with this model whether drafts pay, and drafts fitted as decode rows were predicted cheaper
 than they ran (see docs/benchmarks-log.md, "Speculative decoding (2026-11-26, commit 2667759)").
 
-Three windows keep recent steps: those with prompt rows, those with draft rows, and the rest,
-so a long run of pure decode steps cannot push every prefill or draft observation out (those
-terms would then be unknowable). A start-up profile (`LLMEngine`) seeds the first and last;
-draft rows are learned from the first steps that verify drafts.
+Images add the vision encoder's work: a step that encodes images (before its forward) takes
+longer by their encoder output rows (`encoder_embeds`, `a_e`); the chunk policy charges a chunk
+the images it would encode, so `--tbt-slo-ms` holds while image prompts arrive.
+
+Four windows keep recent steps: those that encode images, those with prompt rows, those with
+draft rows, and the rest, so a long run of pure decode steps cannot push every prefill, draft
+or encoder observation out (those terms would then be unknowable). A start-up profile
+(`LLMEngine`) seeds the prompt and decode windows; draft rows and encoder rows are learned from
+the first steps that have them (until then their cost is unknown and counted as 0).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -52,8 +58,9 @@ import numpy as np
 from chunkserve.core.messages import ScheduledRequest
 from chunkserve.core.stats import RankStepStats
 
-FEATURE_NAMES = ("constant", "prefill_rows", "decode_rows", "prefill_attention", "decode_attention", "draft_rows")
-_SCALE = np.array([1.0, 1e-3, 1e-3, 1e-6, 1e-6, 1e-3])  # keeps the normal equations well conditioned
+FEATURE_NAMES = ("constant", "prefill_rows", "decode_rows", "prefill_attention", "decode_attention", "draft_rows",
+                 "encoder_embeds")
+_SCALE = np.array([1.0, 1e-3, 1e-3, 1e-6, 1e-6, 1e-3, 1e-3])  # keeps the normal equations well conditioned
 
 
 def chunk_attention(start: int, num_tokens: int) -> int:
@@ -70,10 +77,13 @@ class StepShape:
     prefill_attention: int = 0
     decode_attention: int = 0
     draft_rows: int = 0  # of the decode rows, draft tokens verified (what they cost beyond a decode row)
+    encoder_embeds: int = 0  # encoder output rows computed for the step's images
 
     @classmethod
-    def of(cls, scheduled: Iterable[ScheduledRequest]) -> StepShape:
-        shape = cls()
+    def of(cls, scheduled: Iterable[ScheduledRequest], encoder_embeds: int = 0) -> StepShape:
+        """A step's shape from its scheduled requests and the encoder rows it computes
+        (`SchedulerOutput.num_encoder_embeds`)."""
+        shape = cls(encoder_embeds=encoder_embeds)
         for s in scheduled:
             shape = shape.plus(s.num_computed_tokens, s.num_scheduled_tokens, s.is_decode)
         return shape
@@ -97,15 +107,19 @@ class StepShape:
         if is_decode or num_tokens == 1:
             return StepShape(self.prefill_rows, self.decode_rows + num_tokens, self.prefill_attention,
                              self.decode_attention + chunk_attention(start, num_tokens),
-                             self.draft_rows + num_tokens - 1)
+                             self.draft_rows + num_tokens - 1, self.encoder_embeds)
         return StepShape(self.prefill_rows + num_tokens, self.decode_rows,
                          self.prefill_attention + chunk_attention(start, num_tokens), self.decode_attention,
-                         self.draft_rows)
+                         self.draft_rows, self.encoder_embeds)
+
+    def plus_encoder(self, num_embeds: int) -> StepShape:
+        """This step with `num_embeds` more encoder output rows computed."""
+        return dataclasses.replace(self, encoder_embeds=self.encoder_embeds + num_embeds)
 
     @property
     def features(self) -> np.ndarray:
         raw = (1.0, self.prefill_rows, self.decode_rows, self.prefill_attention, self.decode_attention,
-               self.draft_rows)
+               self.draft_rows, self.encoder_embeds)
         return np.asarray(raw, dtype=np.float64) * _SCALE
 
 
@@ -146,6 +160,7 @@ class SlowdownMargin:
 class StepTimePredictor:
     def __init__(self, window: int = 256, refit_every: int = 8, error_window: int = 1024,
                  margin_quantile: float = 0.99, level_window: int = 4) -> None:
+        self._with_encoder: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self._with_prefill: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self._with_drafts: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self._decode_only: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
@@ -180,15 +195,15 @@ class StepTimePredictor:
         predicted = self.predict(shape)
         if predicted and count_error:
             self._slowdown.record(seconds / predicted)
-        window = (self._with_prefill if shape.prefill_rows else self._with_drafts if shape.draft_rows
-                  else self._decode_only)
+        window = (self._with_encoder if shape.encoder_embeds else self._with_prefill if shape.prefill_rows
+                  else self._with_drafts if shape.draft_rows else self._decode_only)
         window.append((shape.features, seconds))
         self._since_fit += 1
         if self.coefficients is None or self._since_fit >= self._refit_every:
             self.refit()
 
     def refit(self) -> None:
-        samples = [*self._with_prefill, *self._with_drafts, *self._decode_only]
+        samples = [*self._with_encoder, *self._with_prefill, *self._with_drafts, *self._decode_only]
         if not samples:
             return
         features = np.stack([f for f, _ in samples])
@@ -202,7 +217,7 @@ class StepTimePredictor:
         if self.coefficients is None:
             return "no fit yet"
         units = ("ms", "ms per 1k prefill rows", "ms per 1k decode rows", "ms per 1M prefill (query, key) pairs",
-                 "ms per 1M decode context tokens", "ms per 1k draft rows")
+                 "ms per 1M decode context tokens", "ms per 1k draft rows", "ms per 1k encoder rows")
         return " + ".join(f"{c * 1e3:.3g} {unit}" for c, unit in zip(self.coefficients, units))
 
     def error_quantiles(self) -> tuple[float, float] | None:

@@ -344,7 +344,7 @@ class EngineCore:
             return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
         duration = time.perf_counter() - timing.start
         # (pipelined, a step's wall time includes waiting behind the steps before it)
-        self.predictor.observe(StepShape.of(scheduled.scheduled), observed_step_seconds(
+        self.predictor.observe(StepShape.of(scheduled.scheduled, scheduled.num_encoder_embeds), observed_step_seconds(
             runner_output.rank_stats, self.scheduler_config.max_steps_in_flight, duration))
         stats = self.scheduler.stats()
         record = self._record(scheduled, timing, duration, stats, runner_output)

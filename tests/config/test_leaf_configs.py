@@ -119,15 +119,19 @@ def test_create_engine_config_passes_every_flag_to_its_leaf():
                       chunk_align=32, chunk_schedule="256:64:2:1024", tbt_slo_ms=50.0, max_prefill_wait_ms=500.0,
                       ttft_slo_ms=900.0, scheduling_policy="priority", enable_prefix_caching=False, block_size=32,
                       kv_cache_memory_bytes=2**28, hicache_storage_max_gb=3.0, disaggregation_mode="decode",
-                      disaggregation_waiting_timeout=5.0, max_stop_sequences=3, max_logprobs=5)
-    config = args.create_engine_config(max_model_len=2048)
+                      disaggregation_waiting_timeout=5.0, max_stop_sequences=3, max_logprobs=5,
+                      max_num_batched_encoder_embeds=300, encoder_cache_size=600, disable_chunked_mm_input=True)
+    config = args.create_engine_config(max_model_len=2048, max_tokens_per_mm_item=200)
     scheduler = config.scheduler
     for name in ("max_num_batched_tokens", "max_num_seqs", "enable_mixed_batch", "long_prefill_token_threshold",
                  "max_num_partial_prefills", "max_long_partial_prefills", "chunk_align", "tbt_slo_ms",
-                 "max_prefill_wait_ms", "ttft_slo_ms", "scheduling_policy", "enable_prefix_caching", "block_size"):
+                 "max_prefill_wait_ms", "ttft_slo_ms", "scheduling_policy", "enable_prefix_caching", "block_size",
+                 "max_num_batched_encoder_embeds", "encoder_cache_size", "disable_chunked_mm_input"):
         assert getattr(scheduler, name) == getattr(args, name), name
     assert scheduler.chunk_schedule == ChunkSchedule.parse("256:64:2:1024")
     assert scheduler.max_model_len == 2048
+    assert (scheduler.max_tokens_per_mm_item, scheduler.encoder_compute_budget, scheduler.encoder_cache_capacity) == \
+        (200, 300, 600)
     assert config.cache.kv_cache_bytes == args.kv_cache_bytes == 2**28
     assert config.kv_connector.connector == "decode"
     assert config.kv_connector.disaggregation.disaggregation_waiting_timeout == 5.0

@@ -3,7 +3,7 @@ collaborators (`Scheduler.registry_sizes()`) is empty once every request has fin
 aborted (waiting, in the middle of its prompt or its decode, loading its KV, with its token in
 flight, new in a step that failed) or been preempted on the way, for each feature that keeps
 state of its own (prefix caching, chunking, n-gram and draft-model drafts, structured outputs,
-steps in flight, failed steps, a KV connector); the worker's view agrees (the fake runner
+steps in flight, failed steps, a KV connector, images in the encoder cache); the worker's view agrees (the fake runner
 holds no request either); and an entry left behind is reported (`Scheduler.leaks()`, which the
 engine's self-check asks when idle)."""
 
@@ -22,6 +22,7 @@ from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.scheduler import NEXT_STEP_MESSAGE, Scheduler
 from chunkserve.core.structured.manager import StructuredOutputManager
 from chunkserve.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.core.mm_support import EncoderRunner, image, image_request
 from tests.core.support import (
     EOS,
     ConnectedRunner,
@@ -52,6 +53,16 @@ def plain_requests(seed: int) -> list[Request]:
 def prefixed_requests(seed: int) -> list[Request]:
     return [Request(r.request_id, SHARED + r.prompt_token_ids[:16], r.sampling_params, eos_token_id=EOS,
                     arrival_time=0.0) for r in plain_requests(seed)]
+
+
+def image_requests(seed: int) -> list[Request]:
+    """Most prompts hold an image, one of a few, so images are shared, cached and evicted."""
+    requests = []
+    for i, (request_id, prompt_len, max_tokens) in enumerate(prompts(seed)):
+        length = min(16, prompt_len - 4)
+        images = [(f"img{i % 3}-{length}", 2, length)] if length > 0 else []
+        requests.append(image_request(request_id, prompt_len, images, max_tokens, text_seed=request_id))
+    return requests
 
 
 def periodic_requests(seed: int) -> list[Request]:
@@ -121,6 +132,10 @@ class FailedStepsRunner(FakeRunner):
         return super().execute(output)
 
 
+class FailedStepsEncoderRunner(EncoderRunner, FailedStepsRunner):
+    """Both: the encoder outputs of a failed step are encoded again when needed."""
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from chunkserve.engine.tokenizer import load_tokenizer
@@ -149,6 +164,8 @@ FEATURES = {  # name -> (scheduler overrides, pipeline depth)
     "failing_steps": ({}, 1),  # every FAIL_EVERY-th step fails: what it carried is sent again
     "kv_connector": ({}, 1),
     "structured": ({}, 1),
+    "multimodal": ({"max_tokens_per_mm_item": 16, "encoder_cache_size": 24, "max_num_batched_tokens": 12}, 1),
+    "multimodal_failing_steps": ({"max_tokens_per_mm_item": 16, "max_num_batched_tokens": 12}, 1),
 }
 
 
@@ -233,7 +250,8 @@ def setup(feature: str, seed: int, num_blocks: int, tokenizer=None):
         connector = FakeRemoteConnector()
         requests = remote_requests(seed)
     else:
-        make = {"prefix_cached": prefixed_requests, "ngram": periodic_requests}.get(feature, plain_requests)
+        make = {"prefix_cached": prefixed_requests, "ngram": periodic_requests, "multimodal": image_requests,
+                "multimodal_failing_steps": image_requests}.get(feature, plain_requests)
         requests = make(seed)
     scheduler = make_scheduler(num_blocks=num_blocks, kv_connector=connector, structured=manager, **overrides)
     if feature == "kv_connector":
@@ -242,6 +260,8 @@ def setup(feature: str, seed: int, num_blocks: int, tokenizer=None):
         runner = MaskedRunner()
     elif feature == "failing_steps":
         runner = FailedStepsRunner()
+    elif feature.startswith("multimodal"):
+        runner = FailedStepsEncoderRunner() if feature.endswith("failing_steps") else EncoderRunner()
     elif feature == "ngram":
         runner = PeriodicRunner()
     else:
@@ -257,9 +277,10 @@ def test_every_registry_is_empty_once_every_request_has_ended(feature, ending, r
                                                         tokenizer)
     kinds = ["waiting", "mid_prompt", "mid_decode"] + {"kv_connector": ["loading_kv"], "pipelined": ["token_in_flight"],
                                                          "failing_steps": ["resent"]}.get(feature, [])
+    failing = feature.endswith("failing_steps")
     aborter = Aborter(kinds) if ending == "abort" else None
     try:
-        drive(scheduler, runner, requests, depth, aborter, manager, FAIL_EVERY if feature == "failing_steps" else 0)
+        drive(scheduler, runner, requests, depth, aborter, manager, FAIL_EVERY if failing else 0)
         assert_no_registry_left(scheduler, runner)
     finally:
         if manager is not None:
@@ -274,9 +295,11 @@ def test_every_registry_is_empty_once_every_request_has_ended(feature, ending, r
         assert scheduler.prefix_cache_hits > 0
     if feature in ("ngram", "draft_model"):
         assert scheduler.stats().spec_decode.num_draft_tokens > 0
+    if feature.startswith("multimodal"):
+        assert scheduler.stats().encoder_inputs_total > 0
 
 
-@pytest.mark.parametrize("plant", ["chunking", "kv", "sent", "drafting"])
+@pytest.mark.parametrize("plant", ["chunking", "kv", "sent", "drafting", "encoder"])
 def test_an_entry_left_behind_is_reported(plant):
     scheduler = make_scheduler(speculative=NGRAM)
     assert scheduler.leaks() == []
@@ -286,6 +309,8 @@ def test_an_entry_left_behind_is_reported(plant):
         scheduler.kv.allocate_slots("ghost", 5)
     elif plant == "sent":
         scheduler.sent.block_diff("ghost", [3])
+    elif plant == "encoder":
+        scheduler.encoder.cache.allocate("ghost", image("x", 0, 3))
     else:
         scheduler.draft_policy.set_shadow("ghost", 7)
     leaks = scheduler.leaks()

@@ -12,7 +12,11 @@ parent block's hash and its own token ids, so equal hashes mean equal whole pref
 a crafted prompt cannot collide with another user's prefix to read its KV. Whether a
 prefix is cached does show (in `cached_tokens` and in TTFT), so a request may carry a
 `cache_salt` (vLLM's field): it seeds the chain instead of the empty root, and requests
-with different salts, or with a salt and without, never share a block. A new request
+with different salts, or with a salt and without, never share a block. A block that holds
+image placeholders also hashes which images and where in them (vLLM's extra keys: the image's
+content hash and the block's start offset within its range), since every image of a size has
+the same placeholder ids: the same image at the same place hits, another image never reuses its
+KV. A text block's hash has no extra keys (the disk tier keys files by it). A new request
 takes the longest run of cached blocks that starts its tokens and computes the rest; blocks
 are registered in the cache as their last token's KV is computed (a chunked prompt's earlier
 chunks become reusable while it is still prefilling).
@@ -26,6 +30,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from chunkserve.core.kv.block_pool import BlockPool
+from chunkserve.core.multimodal import MultiModalFeature
 from chunkserve.core.request import Request
 
 ROOT_HASH = b""  # the parent of a request's first block
@@ -42,9 +47,18 @@ def root_hash(cache_salt: str | None) -> bytes:
     return hashlib.sha256(b"cache_salt:" + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
-def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """The hash of a full block: SHA-256 over its parent's hash and its token ids (int64)."""
-    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
+    """The hash of a full block: SHA-256 over its parent's hash, its token ids (int64) and its
+    extra keys (`mm_extra_keys`; none for text)."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes() + extra_keys).digest()
+
+
+def mm_extra_keys(features: Sequence[MultiModalFeature], start: int, end: int) -> bytes:
+    """The extra keys of the block of positions [start, end): for each image whose range it
+    overlaps, (content hash, the block's start offset within the range) (vLLM's
+    `_gen_mm_extra_hash_keys`); empty for a text block."""
+    return b"".join(f"mm:{f.identifier}:{max(start - f.offset, 0)};".encode()
+                    for f in features if f.overlaps(start, end))
 
 
 class KVCacheManager:
@@ -151,8 +165,10 @@ class KVCacheManager:
             end = num_blocks * size
             tokens = request.prompt_token_ids if end <= request.num_prompt_tokens else request.all_token_ids
             parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+            features = request.mm_features
             for i in range(len(hashes), num_blocks):
-                parent = hash_block(parent, tokens[i * size : (i + 1) * size])
+                extra = mm_extra_keys(features, i * size, (i + 1) * size) if features else b""
+                parent = hash_block(parent, tokens[i * size : (i + 1) * size], extra)
                 hashes.append(parent)
         return hashes[:num_blocks]
 

@@ -68,6 +68,9 @@ class AdmissionPolicy:
         deadline first), then the rest; within the priority policy's classes."""
         deadline = request.arrival_time + self.config.ttft_slo_ms / 1000
         remaining = StepShape().plus(request.num_computed_tokens, request.num_tokens - request.num_computed_tokens)
+        # its images not in its KV yet, each as if encoded (the encoder cache may hold some: an upper bound)
+        remaining = remaining.plus_encoder(sum(f.num_embeds for f in request.mm_features
+                                               if f.end > request.num_computed_tokens))
         predicted = self.predictor.predict(remaining) if self.predictor is not None else None
         hopeless = now + (predicted or 0.0) > deadline
         priority = request.priority if self.config.scheduling_policy == "priority" else 0

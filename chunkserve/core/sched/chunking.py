@@ -10,7 +10,8 @@ request's tokens the step takes. The limits, in order:
   tokens costs more, and a smaller chunk keeps the step time (and so every running decode's
   TBT) level across the prompt;
 - with `--tbt-slo-ms`, the step-time model (step_predictor.py): as many tokens as keep the
-  step's predicted time, times the model's safety margin, under the SLO;
+  step's predicted time, times the model's safety margin, under the SLO (a chunk is charged the
+  images it would encode, `encoder_embeds`);
 - alignment (`align_chunk`): a chunk that does not finish its prompt is rounded down to a
   multiple of `--chunk-align` tokens (never below one KV block), and shortened a little
   further when that makes the step's total rows (decodes + chunks) a multiple of the
@@ -27,6 +28,7 @@ SLO (`prefill_wait_guard`, on the chunk, the step and its record).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,9 +50,13 @@ class ChunkPolicy:
     """Sizes prompt chunks (see the module docstring) and keeps the prefill-wait guard's clock:
     when each prompt last got tokens (or arrived)."""
 
-    def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None) -> None:
+    def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None,
+                 encoder_embeds: Callable[[Request, int, int], int] | None = None) -> None:
+        """`encoder_embeds(request, start, num_tokens)`: the encoder output rows such a chunk would
+        compute (its images not cached), for the step-time model."""
         self.config = config
         self.predictor = predictor
+        self._encoder_embeds = encoder_embeds
         self._last_progress: dict[str, float] = {}
 
     def track(self, request_id: str, now: float) -> None:
@@ -75,7 +81,7 @@ class ChunkPolicy:
             limit = min(limit, config.long_prefill_token_threshold)
         if config.enable_chunked_prefill and config.chunk_schedule is not None:
             limit = min(limit, config.chunk_schedule.step_tokens(start) - step.num_rows)
-        slo_limit = self._slo_limit(step, start, limit)
+        slo_limit = self._slo_limit(request, step, start, limit)
         num_tokens = self._cut(remaining, start, min(limit, slo_limit), step.num_rows)
         if num_tokens == 0 and slo_limit >= limit > 0 and config.enable_chunked_prefill:
             return Chunk(limit)  # no block boundary within the room: unaligned, rather than never
@@ -95,7 +101,7 @@ class ChunkPolicy:
             return max(fits, 0)
         return align_chunk(fits, rows_before, self.config.chunk_alignment, block_size)
 
-    def _slo_limit(self, step: StepBuilder, start: int, limit: int) -> int:
+    def _slo_limit(self, request: Request, step: StepBuilder, start: int, limit: int) -> int:
         """The most tokens (up to `limit`) a chunk from `start` may have for the step's predicted
         time, times the model's safety margin, to stay within the TBT SLO; `limit` when there
         is no SLO or no model yet."""
@@ -105,7 +111,10 @@ class ChunkPolicy:
         slo = slo_ms / 1000 / self.predictor.margin
 
         def fits(num_tokens: int) -> bool:
-            return self.predictor.predict(step.shape.plus(start, num_tokens)) <= slo
+            shape = step.shape.plus(start, num_tokens)
+            if self._encoder_embeds is not None and request.mm_features:
+                shape = shape.plus_encoder(self._encoder_embeds(request, start, num_tokens))
+            return self.predictor.predict(shape) <= slo
 
         if fits(limit):
             return limit

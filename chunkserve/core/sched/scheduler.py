@@ -35,6 +35,10 @@ back if its step is voided; a preemption resets it), a request whose step sample
 scheduled again until its token is back, and a prompt's next chunk may ride the next step,
 since every stage runs the steps in order and finds the chunk before it in its KV.
 
+Images (a request's `mm_features`): a prompt chunk that reaches an image needs its encoder
+output; which images are encoded in a step, from the encoder cache's room and the step's encoder
+budget, and where a chunk ends around them, belongs to encoder_inputs.py.
+
 Structured outputs (a grammar per request, core/structured/): a request waits, without holding
 anyone up, until its grammar is compiled; each row that samples gets its grammar's token
 bitmask (drafts are first cut at the first token the grammar refuses); the grammar advances by
@@ -61,6 +65,7 @@ from chunkserve.core.messages import EngineCoreOutput, ModelRunnerOutput, Schedu
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched.admission import Admission, AdmissionPolicy
 from chunkserve.core.sched.chunking import Chunk, ChunkPolicy
+from chunkserve.core.sched.encoder_inputs import EncoderInputs, EncoderPlan
 from chunkserve.core.sched.grammars import Grammars
 from chunkserve.core.sched.preemption import pick_victim
 from chunkserve.core.sched.remote_kv import RemoteKV
@@ -92,7 +97,8 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.connector = kv_connector or NoOpConnector()
         self.connector.bind_kv_cache(self.kv)
-        self.chunking = ChunkPolicy(config, predictor)
+        self.encoder = EncoderInputs(config)  # images: the encoder's work per chunk, the encoder cache
+        self.chunking = ChunkPolicy(config, predictor, self.encoder.embeds_to_encode)
         self.admission = AdmissionPolicy(config, predictor)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -111,6 +117,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
+        self.encoder.check_request(request)
         self.grammars.start(request)
         self.requests[request.request_id] = request
         self.chunking.track(request.request_id, request.arrival_time)
@@ -127,6 +134,7 @@ class Scheduler:
         now."""
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.encoder.check_request(request)
         num_computed = request.num_computed_tokens
         cached = self.kv.cached_run(block_hashes) if self.kv.enable_caching else []
         num_blocks = self.kv.num_blocks_for(num_computed)
@@ -185,6 +193,9 @@ class Scheduler:
             prefix_cache_queries_total=self.prefix_cache_queries,
             prefix_cache_hits_total=self.prefix_cache_hits,
             spec_decode=None if self.draft_policy is None else self.draft_policy.stats(),
+            encoder_inputs_total=self.encoder.num_encoder_inputs_total,
+            encoder_embeds_total=self.encoder.num_encoder_embeds_total,
+            encoder_cache_hits_total=self.encoder.num_cache_hits_total,
             **self.remote_kv.stats(),
         )
 
@@ -209,7 +220,7 @@ class Scheduler:
         (owner.name -> count). All are empty once nothing is unfinished, but
         `NEXT_STEP_MESSAGE` (the finished ids the worker hears of with the next step)."""
         owners = {"sent": self.sent, "remote_kv": self.remote_kv, "kv": self.kv, "chunking": self.chunking,
-                  "drafting": self.drafting, "grammars": self.grammars}
+                  "drafting": self.drafting, "grammars": self.grammars, "encoder": self.encoder}
         sizes = {"requests": len(self.requests)}
         sizes.update({f"{name}.{registry}": size for name, owner in owners.items()
                       for registry, size in owner.registry_sizes().items()})
@@ -239,7 +250,7 @@ class Scheduler:
         step's, from `update_from_output` or `fail_requests`); a step empty while no other is in flight waits
         briefly for a grammar being compiled (the only requests that could run), so the loop does not spin."""
         self._ended += self._abort(self.grammars.take_failures())
-        step = StepBuilder(self.config.max_num_batched_tokens, self._clock())
+        step = StepBuilder(self.config.max_num_batched_tokens, self._clock(), self.encoder.budget_per_step)
         if self.drafting.uses_draft_model:
             step.decode_load = self.drafting.decode_load(self.running)
         if self.config.enable_mixed_batch:
@@ -264,6 +275,10 @@ class Scheduler:
             predicted_duration_s=self.predictor.predict(step.shape) if self.predictor else None,
             prefill_wait_guard=step.prefill_wait_guard,
             grammar_mask_s=mask_seconds,
+            free_encoder_ids=self.encoder.cache.take_evicted(),
+            num_encoder_inputs=step.num_encoder_inputs,
+            num_encoder_embeds=step.num_encoder_embeds,
+            encoder_cache_hits=step.encoder_cache_hits,
         )
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self.sent.step_sent(output, self.requests)
@@ -289,6 +304,7 @@ class Scheduler:
         diffs, so what it carried is sent again: new requests as new (the worker replaces a
         state it has), block tables whole, finished requests again."""
         self.sent.void(output, self.requests)
+        self.encoder.void(output, self.requests)
         self.connector.step_failed(output.kv_connector_metadata)
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -310,6 +326,7 @@ class Scheduler:
             if not self.pipelined:  # (pipelined, it went ahead when scheduled)
                 request.num_computed_tokens = computed
             request.spec_token_ids = []
+            self.encoder.free_computed(request)
             if not accepted:
                 self.kv.cache_full_blocks(request, computed)
                 continue
@@ -367,8 +384,9 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 chunk = self.chunking.chunk(request, request.num_computed_tokens, step.budget, step)
-                if chunk.num_tokens > 0:
-                    self._schedule_running(request, chunk, step)
+                plan = self.encoder.plan(request, request.num_computed_tokens, chunk.num_tokens, step.budget, step)
+                if plan.num_tokens > 0:
+                    self._schedule_running(request, Chunk(plan.num_tokens, chunk.prefill_wait_guard), step, plan=plan)
             elif admitting:
                 admitting = self._admit(request, step) != Admission.STOP
 
@@ -396,8 +414,10 @@ class Scheduler:
             return Admission.SKIPPED  # it runs once its KV is loaded
         start = num_cached + num_external
         chunk = self.chunking.chunk(request, start, kv_room - start, step)
-        if chunk.num_tokens == 0:
-            return Admission.STOP
+        plan = self.encoder.plan(request, start, chunk.num_tokens, min(kv_room - start, step.budget), step)
+        if plan.num_tokens == 0:
+            return Admission.STOP  # no room in the step (or for its next image, in the encoder's budget or cache)
+        chunk = Chunk(plan.num_tokens, chunk.prefill_wait_guard)
         if start + chunk.num_tokens < request.num_tokens and not self.admission.may_leave_partial(
                 request, self.running, step):
             return Admission.SKIPPED  # held back by the partial-prefill limits: shorter prompts behind may pass
@@ -412,7 +432,9 @@ class Scheduler:
             step.count_prefix_query(request.num_tokens, num_cached)
         self.waiting.remove(request)
         self._start_running(request)
-        self._add_to_step(request, chunk, step, (), self.drafting.allocate_lookahead(request, chunk, step, [], self.running))
+        self.encoder.commit(request, plan, step)
+        proposals = self.drafting.allocate_lookahead(request, chunk, step, [], self.running)
+        self._add_to_step(request, chunk, step, (), proposals, plan.to_encode)
         return Admission.ADMITTED
 
     def _connector_progress(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -474,7 +496,7 @@ class Scheduler:
         self._next_admission += 1
 
     def _schedule_running(self, request: Request, chunk: Chunk, step: StepBuilder,
-                          drafts: list[int] | None = None) -> None:
+                          drafts: list[int] | None = None, plan: EncoderPlan | None = None) -> None:
         """Schedule a running request, preempting others (or, as a last resort, itself)
         until its blocks fit. Its drafts are trimmed to the blocks no other running request
         needs for its next token: drafts never cost anyone a preemption."""
@@ -491,10 +513,12 @@ class Scheduler:
             self._preempt(victim, step)
             if victim is request:
                 return
-        self._add_to_step(request, chunk, step, drafts or [], proposals)
+        if plan is not None:
+            self.encoder.commit(request, plan, step)
+        self._add_to_step(request, chunk, step, drafts or [], proposals, plan.to_encode if plan else [])
 
     def _add_to_step(self, request: Request, chunk: Chunk, step: StepBuilder, drafts: list[int] = (),
-                     proposals: int = 0) -> None:
+                     proposals: int = 0, encoder_inputs: list[int] = ()) -> None:
         request_id = request.request_id
         if request.first_scheduled_time is None:
             request.first_scheduled_time = step.now
@@ -502,7 +526,7 @@ class Scheduler:
             self.chunking.track(request_id, step.now)
             step.prefill_wait_guard |= chunk.prefill_wait_guard
         new_block_ids, resets_block_table = self.sent.block_diff(request_id, self.kv.block_table(request_id))
-        step.add(request, chunk.num_tokens, new_block_ids, resets_block_table, list(drafts), proposals)
+        step.add(request, chunk.num_tokens, new_block_ids, resets_block_table, list(drafts), proposals, encoder_inputs)
         if self.pipelined:
             request.num_computed_tokens += chunk.num_tokens
             if step.scheduled[-1].sample:
@@ -511,6 +535,7 @@ class Scheduler:
     def _preempt(self, request: Request, step: StepBuilder) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)
+        self.encoder.forget(request)
         self.sent.preempted(request.request_id)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -531,6 +556,7 @@ class Scheduler:
         self.drafting.forget(request_id)
         self.chunking.forget(request_id)
         self.grammars.forget(request_id)
+        self.encoder.forget(request)
         del self.requests[request_id]
 
     def restrict_to(self, request_ids: set[str] | None) -> None:

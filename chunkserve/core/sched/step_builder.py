@@ -11,8 +11,12 @@ from chunkserve.core.step_predictor import StepShape
 class StepBuilder:
     """The step being assembled: the remaining token budget and who got what."""
 
-    def __init__(self, budget: int, now: float) -> None:
+    def __init__(self, budget: int, now: float, encoder_budget: int = 0) -> None:
         self.budget = budget
+        self.encoder_budget = encoder_budget  # encoder output rows the step may still compute
+        self.num_encoder_inputs = 0
+        self.num_encoder_embeds = 0
+        self.encoder_cache_hits = 0  # images a request found in the encoder cache
         self.now = now
         self.num_rows = 0
         self.shape = StepShape()
@@ -28,6 +32,14 @@ class StepBuilder:
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_cached
 
+    def charge_encoder(self, num_embeds: int) -> None:
+        """An image is encoded in this step."""
+        assert num_embeds <= self.encoder_budget, f"{num_embeds} encoder rows exceed the budget {self.encoder_budget}"
+        self.encoder_budget -= num_embeds
+        self.num_encoder_inputs += 1
+        self.num_encoder_embeds += num_embeds
+        self.shape = self.shape.plus_encoder(num_embeds)
+
     def is_taken(self, request_id: str) -> bool:
         """Already scheduled or preempted in this step."""
         return request_id in self._num_tokens or request_id in self.preempted
@@ -36,7 +48,7 @@ class StepBuilder:
         return self._num_tokens.get(request_id, 0)
 
     def add(self, request: Request, num_tokens: int, new_block_ids: list[int], resets_block_table: bool,
-            drafts: list[int], num_draft_proposals: int = 0) -> None:
+            drafts: list[int], num_draft_proposals: int = 0, encoder_inputs: list[int] = ()) -> None:
         assert 0 < num_tokens <= self.budget, f"{num_tokens} tokens exceed the step budget {self.budget}"
         self.budget -= num_tokens
         self.num_rows += num_tokens
@@ -54,5 +66,6 @@ class StepBuilder:
                 is_decode=is_decode,
                 draft_token_ids=drafts,
                 num_draft_proposals=num_draft_proposals,
+                encoder_inputs=list(encoder_inputs),
             )
         )
