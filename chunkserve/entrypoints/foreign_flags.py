@@ -93,7 +93,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     ForeignFlag(("--lora-modules", "--max-loras", "--max-lora-rank", "--lora-paths"), True,
                 refusal="LoRA adapters are not supported"),
     ForeignFlag(("--enable-expert-parallel",), False, refusal="no mixture-of-experts model is supported"),
-    ForeignFlag(("--limit-mm-per-prompt",), True, refusal="multimodal inputs are not supported"),
     ForeignFlag(("--kv-transfer-config",), True,
                 refusal="prefill/decode disaggregation uses SGLang's flags: --disaggregation-mode prefill|decode on "
                         "each server and `chunkserve router` in front (README, 'Prefill/decode disaggregation')"),
