@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from chunkserve.config.engine import EngineArgs
 from chunkserve.config.multimodal import MultiModalConfig
 from chunkserve.engine.media import MediaLoader
 from chunkserve.errors import InvalidRequestError
@@ -104,3 +105,5 @@ def test_the_multimodal_flags_are_checked_at_start(fields, message):
     with pytest.raises(InvalidRequestError, match=message):
         MultiModalConfig(**fields)
     assert MultiModalConfig(limit_mm_per_prompt='{"image": 2}').limits() == {"image": 2}
+    flags = EngineArgs(limit_mm_per_prompt='{"image": 2}', allowed_media_domains=["a.example"], max_image_pixels=9)
+    assert flags.multimodal_config() == MultiModalConfig('{"image": 2}', "", ["a.example"], max_image_pixels=9)
