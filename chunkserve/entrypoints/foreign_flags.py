@@ -86,7 +86,8 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
                 harmless=("1",)),
     ForeignFlag(("--cpu-offload-gb",), True, refusal="the weights are in CPU memory already", harmless=("0",)),
     ForeignFlag(("--chat-template-content-format",), True,
-                refusal="message contents reach the chat template as strings (a list of text parts is joined)",
+                refusal="message contents reach the chat template as strings (a list of text parts is joined), "
+                        "or, where they have images, as parts with {\"type\": \"image\"} in the images' places",
                 harmless=("auto", "string")),
     # refused: chunkserve cannot do what they ask
     ForeignFlag(("--enable-lora",), False, refusal="LoRA adapters are not supported"),

@@ -102,8 +102,8 @@ class LLM:
         tokenizer = self.get_tokenizer()
         return functools.lru_cache(maxsize=None)(lambda token_id: tokenizer.decode([token_id]))
 
-    def _generate(self, prompts: list[str | list[int] | MultiModalPrompt], params: list[SamplingParams], priorities: list[int],
-                  use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts: list[str | list[int] | MultiModalPrompt], params: list[SamplingParams],
+                  priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
         """Each request's finished output as the engine makes it (its logprobs as records)."""
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
@@ -124,7 +124,9 @@ class LLM:
         """Apply the chat template to one conversation or a list of them, then generate. vLLM's
         names; keyword-only after use_tqdm because vLLM's order has lora_request and others there,
         which a positional call must not silently fill. See `apply_chat_template`. As in vLLM, the
-        answers are not read for tool calls (the server's --tool-call-parser does that)."""
+        answers are not read for tool calls (the server's --tool-call-parser does that). Message
+        contents may be lists of OpenAI's parts: text, image_url (data: URLs, file:// under
+        allowed_local_media_path) and vLLM's image_pil."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template=chat_template,
                                             continue_final_message=continue_final_message, tools=tools,
@@ -135,12 +137,12 @@ class LLM:
                             chat_template: str | None = None, continue_final_message: bool = False,
                             tools: list[dict[str, Any]] | None = None,
                             chat_template_kwargs: dict[str, Any] | None = None) -> list[int] | MultiModalPrompt:
-        """A conversation's prompt token ids, as `chat` makes them (with its images expanded: a
-        MultiModalPrompt, where its messages have image_url or image_pil parts): `chat_template` in place of the
-        model's, `chat_template_kwargs` passed to the template (over the other arguments, as in
-        vLLM), `continue_final_message` leaving the last message open for the model to continue
-        (with add_generation_prompt=False), `tools` (OpenAI's function tools) for templates that
-        render them. Raises InvalidRequestError naming a bad argument."""
+        """A conversation's prompt token ids, as `chat` makes them (with its images expanded, a
+        MultiModalPrompt, where its messages have image_url or image_pil parts): `chat_template` in
+        place of the model's, `chat_template_kwargs` passed to the template (over the other
+        arguments, as in vLLM), `continue_final_message` leaving the last message open for the model
+        to continue (with add_generation_prompt=False), `tools` (OpenAI's function tools) for
+        templates that render them. Raises InvalidRequestError naming a bad argument."""
         return self.engine.input_processor.apply_chat_template(
             messages, add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools)
