@@ -131,6 +131,10 @@ class InputProcessor:
         if len(text) > self.limits.max_prompt_chars:
             raise InvalidRequestError(f"{field} has {len(text)} characters, over the limit of "
                                       f"{self.limits.max_prompt_chars} (--max-prompt-chars)", field)
+        placeholder = self.mm_processor.image_placeholder
+        if field == "prompt" and text.count(placeholder) != len(images):  # a chat template writes them itself
+            raise InvalidRequestError(f"prompt holds {text.count(placeholder)} image placeholders ({placeholder!r}) "
+                                      f"for {len(images)} images: write one where each image goes", field)
         loaded = [self._load_image(item) for item in images]
         try:
             token_ids, features = self.mm_processor.process(text, loaded)

@@ -182,7 +182,7 @@ def _vllm_output(samples: list[RequestOutput], token_text: Callable[[int], str])
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, dict, MultiModalPrompt)):
         return [prompts]
     prompts = list(prompts)
     if not prompts:

@@ -82,6 +82,9 @@ def test_multi_modal_data_gives_the_processors_ids_and_features(processor):
     one = engine_prompt({"prompt": text_prompt.split(" and")[0], "multi_modal_data": {"image": images[0]}},
                         processor)
     assert one.features[0].identifier == expected[0].identifier
+    with pytest.raises(InvalidRequestError, match="prompt holds 2 image placeholders .* for 1 images") as error:
+        engine_prompt({"prompt": text_prompt, "multi_modal_data": {"image": images[0]}}, processor)
+    assert error.value.param == "prompt"
 
 
 def test_the_expanded_placeholders_count_against_max_model_len(vlm, processor):
