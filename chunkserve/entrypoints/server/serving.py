@@ -146,10 +146,11 @@ class Serving:
         cut = self.options.max_log_len
         shown: list[Any] = []
         for prompt in prompts:
-            ids = prompt.token_ids if isinstance(prompt, MultiModalPrompt) else prompt
-            ids = ids if cut is None else ids[:cut]
-            shown.append(ids if not isinstance(prompt, MultiModalPrompt) else
-                         {"token_ids": ids, "images": [f.identifier for f in prompt.features]})
+            if isinstance(prompt, MultiModalPrompt):
+                ids = prompt.token_ids if cut is None else prompt.token_ids[:cut]
+                shown.append({"token_ids": ids, "images": [f.identifier for f in prompt.features]})
+            else:
+                shown.append(prompt if cut is None else prompt[:cut])
         logger.info("request %s: prompts %r, params %s", request_id, shown, params)
 
 
