@@ -58,9 +58,6 @@ def load_model(source: ModelSource, config: ModelConfig, dtype: str, max_positio
     (`LlamaModel.compute_dtype`), whose weights the ops pack in bfloat16 (`set_ops`); it is
     refused on a CPU without native bfloat16. `int8_activations` (`LlamaModel.int8_activations`)
     is refused on a CPU without VNNI and for a model without GGUF block weights."""
-    if config.multimodal is not None and parallel is not None and parallel.tp_size * parallel.pp_size > 1:
-        raise ModelLoadError(f"{config.architecture} (a vision-language model) runs on one rank only: "
-                             "leave --tensor-parallel-size and --pipeline-parallel-size at 1")
     if dtype == "bfloat16":
         require_native_bf16()
     if int8_activations:

@@ -32,10 +32,17 @@ def test_chunked_prompt_logits_equal_transformers(vlm, chunk):
     _, driver, token_ids, features, _, expected = vlm
     logits, outputs = driver.prefill(f"chunk-{chunk}", token_ids, features, chunk)
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=1e-4)
-    assert sum(o.num_encoder_calls for o in outputs) == 0 or chunk == 1  # both images cached by the first run
-    if chunk == 1:  # the first test of the module: each image encoded once, in the step reaching it
-        assert [o.num_encoder_calls for o in outputs if o.num_encoder_calls] == [1, 1]
-        assert all(o.encoder_seconds > 0 for o in outputs if o.num_encoder_calls)
+
+
+def test_each_image_is_encoded_once_across_chunks(vlm):
+    _, driver, token_ids, features, _, _ = vlm
+    driver.runner.multimodal.cache.clear()
+    _, outputs = driver.prefill("once", token_ids, features, chunk=3)
+    steps_reaching = [next(i for i, start in enumerate(range(0, len(token_ids), 3)) if f.overlaps(start, start + 3))
+                      for f in features]
+    assert [i for i, o in enumerate(outputs) if o.num_encoder_calls] == steps_reaching
+    assert sum(o.num_encoder_calls for o in outputs) == 2 and len(outputs) > 3
+    assert all(o.encoder_seconds > 0 for o in outputs if o.num_encoder_calls)
 
 
 def test_greedy_tokens_equal_transformers_generate(vlm):
@@ -79,3 +86,25 @@ def _new(request_id, token_ids, features):
 
     return NewRequestData(request_id, token_ids, SamplingParams(temperature=0.0, max_tokens=1), None,
                           mm_features=features)
+
+
+def test_qwen2_vl_rows_take_m_rope_positions(vlm, monkeypatch):
+    """Prompt rows at transformers' get_rope_index positions, whichever chunk they fall in; decodes
+    at position + delta on all three axes; 1-D positions instead give other logits."""
+    architecture, driver, token_ids, features, reference, expected = vlm
+    if architecture != "qwen2_vl":
+        pytest.skip("M-RoPE is Qwen2-VL's")
+    inputs = hf_inputs(token_ids, features)
+    rope, delta = reference.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                 image_grid_thw=inputs["image_grid_thw"])
+    driver.positions.clear()
+    driver.prefill("mrope", token_ids, features, chunk=5, max_tokens=3)
+    assert torch.equal(torch.cat(driver.positions, dim=1), rope[:, 0])
+    driver.positions.clear()
+    driver.decode("mrope", len(token_ids), 2)
+    first_decode = len(token_ids) + int(delta)
+    assert [p.tolist() for p in driver.positions] == [[[first_decode + i]] * 3 for i in range(2)]
+    assert int(delta) < 0  # images take fewer positions than tokens: the control below is not the same run
+    monkeypatch.setattr(driver.encoder, "uses_mrope", False)
+    logits, _ = driver.prefill("one-d", token_ids, features, chunk=1000)
+    assert (logits - expected).abs().max() > 1e-4
