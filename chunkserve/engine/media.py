@@ -46,7 +46,7 @@ class MediaLoader:
 
     def decode(self, data: bytes, param: str) -> Any:
         """`data` decoded by Pillow, its size checked before its pixels are read."""
-        from PIL import Image
+        from PIL import Image, UnidentifiedImageError
 
         if not data:
             raise InvalidRequestError("the image is empty (0 bytes)", param)
@@ -57,6 +57,9 @@ class MediaLoader:
             image.load()
         except InvalidRequestError:
             raise
+        except UnidentifiedImageError:
+            raise InvalidRequestError("the image cannot be decoded: its bytes are not an image format Pillow reads "
+                                      "(PNG, JPEG, GIF, WebP, ...)", param) from None
         except Exception as error:  # Pillow's decoders raise many kinds on bad input
             raise InvalidRequestError(f"the image cannot be decoded: {error}", param) from None
         return image
