@@ -24,9 +24,11 @@ from chunkserve.core.messages import ModelRunnerOutput, NewRequestData, Schedule
 from chunkserve.errors import RequestFailedError
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
+from chunkserve.model.vlm.encoder import VisionEncoder
 from chunkserve.ops.cpp_ops import cpp_ops_for, model_ops_for
 from chunkserve.worker.input_batch import ForwardBatch, build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_pool, layer_caches, read_blocks, write_blocks
+from chunkserve.worker.multimodal_inputs import MultiModalInputs
 from chunkserve.worker.persistent_batch import PersistentBatch
 from chunkserve.worker.sampler import InvalidRowsError, SamplingState, gather_logprobs, sample_runs
 from chunkserve.worker.draft_model import DraftModelProposer
@@ -38,10 +40,11 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int, seed: int,
                  op_backend: str = "auto", kv_connector: KVConnectorWorker | None = None,
                  kv_config: ModelConfig | None = None, tokens_from_steps: bool = False,
-                 drafter: DraftModelProposer | None = None) -> None:
+                 drafter: DraftModelProposer | None = None, encoder: VisionEncoder | None = None) -> None:
         """`kv_config`: the shape of this rank's share of the KV (its layers and KV heads; default
         `config`, all of them). `drafter`: speculative decoding's draft model, which proposes the
-        next drafts of the requests the scheduler asks (`num_draft_proposals`)."""
+        next drafts of the requests the scheduler asks (`num_draft_proposals`). `encoder`: a
+        vision-language model's vision encoder, whose outputs the runner caches."""
         self.model = model
         self.parallel = model.parallel
         self.vocab_size = config.vocab_size
@@ -58,6 +61,7 @@ class ModelRunner:
         self._layer_connector = None if isinstance(self.kv_connector, NoOpConnector) else self.kv_connector
         self.persistent_batch = PersistentBatch()
         self.drafter = drafter
+        self.multimodal = None if encoder is None else MultiModalInputs(encoder)
         self.cpp_ops = cpp_ops_for(op_backend)
         self.attention_kernels = None if self.cpp_ops is None else self.cpp_ops.attention_kernels()
         model.set_ops(model_ops_for(self.cpp_ops, model.compute_dtype, model.int8_activations))
@@ -73,13 +77,20 @@ class ModelRunner:
         connector.bind_connector_metadata(output.kv_connector_metadata)
         connector.start_load_kv()
         batch = self.persistent_batch
+        multimodal = self.multimodal
         for request_id in output.finished_request_ids:
             batch.remove(request_id)
+            if multimodal is not None:
+                multimodal.remove_request(request_id)
         invalid: dict[str, str] = {}
         for new in output.new_requests:
             state, problem = self._new_state(new)
             batch.remove(new.request_id)  # sent again after a failed step: a fresh state, as the first time
             batch.add(new.request_id, state)
+            if new.mm_features and multimodal is None:
+                problem = "the request has images but the model takes text only"
+            elif multimodal is not None:
+                multimodal.add_request(new)
             if problem is not None:
                 invalid[new.request_id] = problem
         for scheduled in output.scheduled:
@@ -97,6 +108,9 @@ class ModelRunner:
         if invalid:  # raised once the diff is applied, so the batch stays in step with the scheduler
             raise RequestFailedError("; ".join(invalid.values()), list(invalid))
         result = ModelRunnerOutput(sampled_token_ids={})
+        if multimodal is not None:
+            multimodal.run_encoders(output)
+            result.num_encoder_calls, result.encoder_seconds = multimodal.num_calls, multimodal.seconds
         if not output.is_empty:
             scored = self._forward_and_sample(output, result)
             self._keep_prompt_logprobs(output.scheduled, scored, result)
@@ -123,7 +137,11 @@ class ModelRunner:
         if not parallel.is_first_stage:
             rows = (len(batch.input_ids), self.hidden_size)
             intermediate = tuple(parallel.recv_from_prev_stage([rows, rows], self.dtype))
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, intermediate)
+        positions, input_embeds = batch.positions, None
+        if self.multimodal is not None:
+            input_embeds = self.multimodal.input_embeds(batch, scheduled, self.model.embed_tokens)
+            positions = self.multimodal.positions(batch, scheduled)
+        hidden = self.model(batch.input_ids, positions, self.kv_caches, batch.attn, intermediate, input_embeds)
         if not parallel.is_last_stage:
             parallel.send_to_next_stage(list(hidden))
             return {}
