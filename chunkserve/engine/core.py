@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from chunkserve.config.engine import EngineArgs
+from chunkserve.config.model import resolve_model
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv.snapshot import RequestSnapshot, SnapshotBlock
 from chunkserve.core.kv_connector import KVConnectorScheduler
@@ -28,6 +29,7 @@ from chunkserve.core.sched.scheduler import Scheduler
 from chunkserve.core.stats import SchedulerStats, hit_rate
 from chunkserve.core.step_predictor import StepShape, StepTimePredictor, observed_step_seconds
 from chunkserve.core.structured.manager import StructuredOutputManager
+from chunkserve.engine.frontend import multimodal_processor
 from chunkserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from chunkserve.engine.outputs import StepRecord
 from chunkserve.engine.triage import StepFailureTriage
@@ -82,7 +84,7 @@ class EngineCore:
         self.model_config: ModelConfig = self.executor.model_config
         num_blocks = self.executor.determine_num_kv_blocks()
         self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks)
-        self.engine_config = config.create_engine_config(self.max_model_len)
+        self.engine_config = config.create_engine_config(self.max_model_len, self._max_tokens_per_image())
         self.scheduler_config = self.engine_config.scheduler
         self.executor.load_model(self.max_model_len)
         self.executor.initialize_kv_cache(num_blocks)
@@ -109,13 +111,19 @@ class EngineCore:
 
     def _load_tokenizer(self):
         """The model's tokenizer, for the grammars (loaded by the first one, on its compile thread)."""
-        from chunkserve.config.model import resolve_model
         from chunkserve.engine.tokenizer import load_tokenizer
 
         return load_tokenizer(resolve_model(self.config.model), self.config.tokenizer)
 
     def info(self, model_name: str) -> EngineInfo:
         return EngineInfo(model_name, self.max_model_len, self.model_config.vocab_size, self.executor.cpu_threads())
+
+    def _max_tokens_per_image(self) -> int | None:
+        """The most placeholder tokens one image may take (the scheduler's encoder budgets and
+        --disable-chunked-mm-input's start-up check); None for a text-only model."""
+        if self.model_config.multimodal is None:
+            return None
+        return multimodal_processor(resolve_model(self.config.model)).max_tokens_per_item()
 
     # ----- requests ---------------------------------------------------------------------
 
