@@ -38,17 +38,21 @@ class MultiModalInputs:
         self.num_calls = 0  # of the step being run
         self.seconds = 0.0
 
-    def add_request(self, new: NewRequestData) -> None:
+    def add_request(self, new: NewRequestData) -> str | None:
         """Keep the request's features (sent once, with its first step); M-RoPE positions are
-        computed here, once per request."""
+        computed here, once per request. Returns what is wrong with its images, if anything."""
         self.requests.pop(new.request_id, None)
         if not new.mm_features:
-            return
+            return None
         images = _RequestImages(list(new.mm_features), len(new.prompt_token_ids))
         if self.encoder.uses_mrope:
-            images.mrope_positions, images.mrope_delta = self.encoder.mrope_positions(new.prompt_token_ids,
-                                                                                      images.features)
+            try:
+                images.mrope_positions, images.mrope_delta = self.encoder.mrope_positions(new.prompt_token_ids,
+                                                                                          images.features)
+            except (KeyError, ValueError, RuntimeError, StopIteration) as error:
+                return f"the M-RoPE positions of the request's images cannot be computed: {error!r}"
         self.requests[new.request_id] = images
+        return None
 
     def remove_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
