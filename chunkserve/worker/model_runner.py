@@ -107,8 +107,7 @@ class ModelRunner:
             raise RequestFailedError("; ".join(invalid.values()), list(invalid))
         result = ModelRunnerOutput(sampled_token_ids={})
         if multimodal is not None:
-            multimodal.run_encoders(output)
-            result.num_encoder_calls, result.encoder_seconds = multimodal.num_calls, multimodal.seconds
+            result.num_encoder_calls, result.encoder_seconds = multimodal.run_encoders(output)
         if not output.is_empty:
             scored = self._forward_and_sample(output, result)
             self._keep_prompt_logprobs(output.scheduled, scored, result)
