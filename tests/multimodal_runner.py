@@ -17,6 +17,7 @@ from chunkserve.model.vlm.encoder import VisionEncoder
 from chunkserve.model.vlm.processing import MultiModalProcessor
 from chunkserve.sampling_params import SamplingParams
 from chunkserve.worker.model_runner import ModelRunner
+from tests.multimodal_models import build_vlm
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
@@ -92,6 +93,14 @@ def hf_inputs(token_ids: list[int], features: list[MultiModalFeature]) -> dict[s
             types[0, f.offset : f.end] = 1
         inputs["mm_token_type_ids"] = types
     return inputs
+
+
+def vlm_folder(tmp_path_factory, architecture: str) -> str:
+    """The tiny model of `architecture`, built once per test session (tests must not change it)."""
+    folder = tmp_path_factory.getbasetemp() / f"vlm-{architecture}"
+    if not (folder / "config.json").exists():
+        build_vlm(architecture, str(folder))
+    return str(folder)
 
 
 def hf_model(folder: str):
