@@ -17,6 +17,7 @@ from chunkserve.model.vlm.encoder import VisionEncoder
 from chunkserve.model.vlm.processing import MultiModalProcessor
 from chunkserve.sampling_params import SamplingParams
 from chunkserve.worker.model_runner import ModelRunner
+from tests.multimodal_models import build_vlm
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
@@ -44,10 +45,8 @@ class MultiModalDriver:
                 max_tokens: int = 1) -> tuple[torch.Tensor, list[ModelRunnerOutput]]:
         """Run the prompt in chunks of `chunk` tokens; its logits [P, vocab] and the steps' outputs."""
         self.logits.clear()
-        blocks = list(range(self._next_block, self._next_block + -(-(len(token_ids) + max_tokens) // BLOCK_SIZE)))
-        self._next_block += len(blocks)
-        new = NewRequestData(request_id, token_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), None,
-                             mm_features=features)
+        blocks = self.blocks_for(len(token_ids) + max_tokens)
+        new = new_request(request_id, token_ids, features, max_tokens)
         scheduled_images: set[int] = set()
         outputs = []
         for start in range(0, len(token_ids), chunk):
@@ -60,6 +59,12 @@ class MultiModalDriver:
             outputs.append(self.runner.execute(SchedulerOutput([step], [new] if start == 0 else [])))
         return torch.cat(self.logits), outputs
 
+    def blocks_for(self, num_tokens: int) -> list[int]:
+        """Blocks for a request, taken round the pool: the requests before it are done with theirs."""
+        count = -(-num_tokens // BLOCK_SIZE)
+        first, self._next_block = self._next_block, self._next_block + count
+        return [block % NUM_BLOCKS for block in range(first, first + count)]
+
     def decode(self, request_id: str, num_computed: int, steps: int) -> list[int]:
         """Greedy decode steps after a prompt of `num_computed` tokens whose first token was sampled."""
         state = self.runner.persistent_batch.sampling[request_id]
@@ -67,6 +72,12 @@ class MultiModalDriver:
             step = ScheduledRequest(request_id, num_computed + index, 1, [], False, True, True)
             self.runner.execute(SchedulerOutput([step], []))
         return state.token_ids[state.num_prompt_tokens :]
+
+
+def new_request(request_id: str, token_ids: list[int], features: list[MultiModalFeature],
+                max_tokens: int = 1) -> NewRequestData:
+    return NewRequestData(request_id, token_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), None,
+                          mm_features=features)
 
 
 def hf_inputs(token_ids: list[int], features: list[MultiModalFeature]) -> dict[str, torch.Tensor]:
@@ -82,6 +93,14 @@ def hf_inputs(token_ids: list[int], features: list[MultiModalFeature]) -> dict[s
             types[0, f.offset : f.end] = 1
         inputs["mm_token_type_ids"] = types
     return inputs
+
+
+def vlm_folder(tmp_path_factory, architecture: str) -> str:
+    """The tiny model of `architecture`, built once per test session (tests must not change it)."""
+    folder = tmp_path_factory.getbasetemp() / f"vlm-{architecture}"
+    if not (folder / "config.json").exists():
+        build_vlm(architecture, str(folder))
+    return str(folder)
 
 
 def hf_model(folder: str):

@@ -11,10 +11,11 @@ import torch
 from chunkserve.errors import ModelLoadError
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-# vision-language checkpoints -> the text decoder inside them, which our LlamaModel runs
+# vision-language checkpoints -> the text decoder inside them, which our LlamaModel runs. SmolVLM's first
+# checkpoints are Idefics3's; its own class (SmolVLM2) is not here: transformers' SmolVLMProcessor needs a
+# video processor, which needs torchvision
 MULTIMODAL_ARCHITECTURES = {"LlavaForConditionalGeneration": "LlamaForCausalLM",
                             "Idefics3ForConditionalGeneration": "LlamaForCausalLM",
-                            "SmolVLMForConditionalGeneration": "LlamaForCausalLM",
                             "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM"}
 SUPPORTED_ARCHITECTURES = TEXT_ARCHITECTURES + tuple(MULTIMODAL_ARCHITECTURES)
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

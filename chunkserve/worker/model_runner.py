@@ -87,10 +87,8 @@ class ModelRunner:
             state, problem = self._new_state(new)
             batch.remove(new.request_id)  # sent again after a failed step: a fresh state, as the first time
             batch.add(new.request_id, state)
-            if new.mm_features and multimodal is None:
-                problem = "the request has images but the model takes text only"
-            elif multimodal is not None:
-                multimodal.add_request(new)
+            if problem is None and multimodal is not None:
+                problem = multimodal.add_request(new)
             if problem is not None:
                 invalid[new.request_id] = problem
         for scheduled in output.scheduled:
@@ -109,8 +107,7 @@ class ModelRunner:
             raise RequestFailedError("; ".join(invalid.values()), list(invalid))
         result = ModelRunnerOutput(sampled_token_ids={})
         if multimodal is not None:
-            multimodal.run_encoders(output)
-            result.num_encoder_calls, result.encoder_seconds = multimodal.num_calls, multimodal.seconds
+            result.num_encoder_calls, result.encoder_seconds = multimodal.run_encoders(output)
         if not output.is_empty:
             scored = self._forward_and_sample(output, result)
             self._keep_prompt_logprobs(output.scheduled, scored, result)
@@ -245,6 +242,8 @@ class ModelRunner:
         masked = [*(params.allowed_token_ids or ()), *(t for word in params.bad_words_token_ids or () for t in word)]
         if masked and not 0 <= min(masked) <= max(masked) < self.vocab_size:
             problem = f"allowed_token_ids or bad_words name a token outside the vocabulary [0, {self.vocab_size})"
+        if new.mm_features and self.multimodal is None:
+            problem = "the request has images, but the model takes text only"
         if params.bad_words and params.bad_words_token_ids is None:
             problem = "bad_words were not tokenized (the frontend's input processor does it)"
         try:

@@ -35,30 +35,33 @@ class MultiModalInputs:
         self.encoder = encoder
         self.cache: dict[str, torch.Tensor] = {}  # identifier -> encoder output [num_embeds, hidden]
         self.requests: dict[str, _RequestImages] = {}  # only requests with images
-        self.num_calls = 0  # of the step being run
-        self.seconds = 0.0
 
-    def add_request(self, new: NewRequestData) -> None:
+    def add_request(self, new: NewRequestData) -> str | None:
         """Keep the request's features (sent once, with its first step); M-RoPE positions are
-        computed here, once per request."""
+        computed here, once per request. Returns what is wrong with its images, if anything."""
         self.requests.pop(new.request_id, None)
         if not new.mm_features:
-            return
+            return None
         images = _RequestImages(list(new.mm_features), len(new.prompt_token_ids))
         if self.encoder.uses_mrope:
-            images.mrope_positions, images.mrope_delta = self.encoder.mrope_positions(new.prompt_token_ids,
-                                                                                      images.features)
+            try:
+                images.mrope_positions, images.mrope_delta = self.encoder.mrope_positions(new.prompt_token_ids,
+                                                                                          images.features)
+            except (KeyError, ValueError, RuntimeError, StopIteration) as error:
+                return f"the M-RoPE positions of the request's images cannot be computed: {error!r}"
         self.requests[new.request_id] = images
+        return None
 
     def remove_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
-    def run_encoders(self, output: SchedulerOutput) -> None:
+    def run_encoders(self, output: SchedulerOutput) -> tuple[int, float]:
         """Drop the outputs the scheduler freed, then encode the step's encoder inputs (those not
-        cached already). An image the encoder cannot take fails its request."""
+        cached already). Returns the encoder calls and their seconds. An image the encoder cannot
+        take fails its request."""
         for identifier in output.free_encoder_ids:
             self.cache.pop(identifier, None)
-        self.num_calls, self.seconds = 0, 0.0
+        num_calls, start = 0, time.perf_counter()
         for scheduled in output.scheduled:
             images = self.requests.get(scheduled.request_id)
             for index in scheduled.encoder_inputs:
@@ -68,17 +71,15 @@ class MultiModalInputs:
                 feature = images.features[index]
                 if feature.identifier not in self.cache:
                     self.cache[feature.identifier] = self._encode(scheduled.request_id, feature)
+                    num_calls += 1
+        return num_calls, time.perf_counter() - start if num_calls else 0.0
 
     def _encode(self, request_id: str, feature: MultiModalFeature) -> torch.Tensor:
-        start = time.perf_counter()
         try:
-            rows = self.encoder.encode(feature)
+            return self.encoder.encode(feature)
         except (RuntimeError, ValueError, TypeError, KeyError) as error:
             raise RequestFailedError(f"the vision encoder failed on an image of request {request_id!r}: {error}",
                                      [request_id]) from error
-        self.num_calls += 1
-        self.seconds += time.perf_counter() - start
-        return rows
 
     def input_embeds(self, batch: ForwardBatch, scheduled: list[ScheduledRequest],
                      embed_tokens: torch.nn.Module) -> torch.Tensor | None:

@@ -5,50 +5,75 @@ positions."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from chunkserve.core.messages import ScheduledRequest, SchedulerOutput
 from chunkserve.errors import RequestFailedError
-from tests.multimodal_models import build_vlm, random_image
-from tests.multimodal_runner import MultiModalDriver, hf_inputs, hf_model
+from tests.multimodal_models import ARCHITECTURES, random_image
+from tests.multimodal_runner import MultiModalDriver, hf_inputs, hf_model, new_request, vlm_folder
 
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["llava", "idefics3", "qwen2_vl"])
-def vlm(request, tmp_path_factory):
-    folder = build_vlm(request.param, str(tmp_path_factory.mktemp(request.param)))
-    driver = MultiModalDriver(folder)
-    token_ids, features = driver.process([random_image(1), random_image(2, 60, 30)])
-    reference = hf_model(folder)
-    with torch.inference_mode():
-        expected = reference(**hf_inputs(token_ids, features)).logits[0]
-    return request.param, driver, token_ids, features, reference, expected
+@dataclass
+class Setup:
+    architecture: str
+    driver: MultiModalDriver
+    token_ids: list[int]  # the prompt, two images expanded in it
+    features: list
+    reference: object  # transformers' model
+    expected: torch.Tensor  # its logits of the prompt
+
+
+@pytest.fixture(scope="module")
+def setups(tmp_path_factory):
+    """Each model built once for the module, when a test first asks for it."""
+    built: dict[str, Setup] = {}
+
+    def setup(architecture: str) -> Setup:
+        if architecture not in built:
+            folder = vlm_folder(tmp_path_factory, architecture)
+            driver = MultiModalDriver(folder)
+            token_ids, features = driver.process([random_image(1), random_image(2, 60, 30)])
+            reference = hf_model(folder)
+            with torch.inference_mode():
+                expected = reference(**hf_inputs(token_ids, features)).logits[0]
+            built[architecture] = Setup(architecture, driver, token_ids, features, reference, expected)
+        return built[architecture]
+
+    return setup
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def vlm(request, setups) -> Setup:
+    return setups(request.param)
+
+
+@pytest.fixture
+def qwen2_vl(setups) -> Setup:
+    """Qwen2-VL: M-RoPE, so its decodes also check position + delta."""
+    return setups("qwen2_vl")
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 16, 1000])
 def test_chunked_prompt_logits_equal_transformers(vlm, chunk):
-    _, driver, token_ids, features, _, expected = vlm
-    logits, outputs = driver.prefill(f"chunk-{chunk}", token_ids, features, chunk)
-    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=1e-4)
-
-
-def test_each_image_is_encoded_once_across_chunks(vlm):
-    _, driver, token_ids, features, _, _ = vlm
-    driver.runner.multimodal.cache.clear()
-    _, outputs = driver.prefill("once", token_ids, features, chunk=3)
-    steps_reaching = [next(i for i, start in enumerate(range(0, len(token_ids), 3)) if f.overlaps(start, start + 3))
-                      for f in features]
-    assert [i for i, o in enumerate(outputs) if o.num_encoder_calls] == steps_reaching
-    assert sum(o.num_encoder_calls for o in outputs) == 2 and len(outputs) > 3
+    """...with each image encoded once, in the step of the first chunk that reaches it."""
+    vlm.driver.runner.multimodal.cache.clear()
+    logits, outputs = vlm.driver.prefill(f"chunk-{chunk}", vlm.token_ids, vlm.features, chunk)
+    torch.testing.assert_close(logits, vlm.expected, atol=ATOL, rtol=1e-4)
+    starts = range(0, len(vlm.token_ids), chunk)
+    reaching = [next(i for i, start in enumerate(starts) if f.overlaps(start, start + chunk)) for f in vlm.features]
+    assert [o.num_encoder_calls for o in outputs] == [reaching.count(i) for i in range(len(outputs))]
     assert all(o.encoder_seconds > 0 for o in outputs if o.num_encoder_calls)
 
 
-def test_greedy_tokens_equal_transformers_generate(vlm):
-    architecture, driver, token_ids, features, reference, _ = vlm
-    if architecture != "qwen2_vl":
-        pytest.skip("one model suffices; Qwen2-VL's also checks decode positions (position + delta)")
+def test_greedy_tokens_equal_transformers_generate(qwen2_vl):
+    driver, token_ids, features, reference = qwen2_vl.driver, qwen2_vl.token_ids, qwen2_vl.features, qwen2_vl.reference
     steps = 32
     driver.prefill("greedy", token_ids, features, chunk=7, max_tokens=steps)
     ours = driver.decode("greedy", len(token_ids), steps - 1)
@@ -59,41 +84,29 @@ def test_greedy_tokens_equal_transformers_generate(vlm):
 
 
 def test_freed_encoder_outputs_leave_the_cache(vlm):
-    _, driver, token_ids, features, _, _ = vlm
-    cache = driver.runner.multimodal.cache
-    assert {f.identifier for f in features} <= set(cache)
-    driver.runner.execute(SchedulerOutput([], [], free_encoder_ids=[f.identifier for f in features]))
+    vlm.driver.prefill("to-free", vlm.token_ids, vlm.features, chunk=1000)
+    cache = vlm.driver.runner.multimodal.cache
+    assert {f.identifier for f in vlm.features} <= set(cache)
+    vlm.driver.runner.execute(SchedulerOutput([], [], free_encoder_ids=[f.identifier for f in vlm.features]))
     assert not cache
 
 
 def test_a_missing_encoder_output_fails_the_request(vlm):
     """A chunk reaching an image whose output is not cached (and not scheduled to be) is an error
     naming the request, never rows of the wrong embedding."""
-    _, driver, token_ids, features, _, _ = vlm
-    driver.runner.multimodal.cache.clear()
-    # the first step schedules no encoder input: the image's rows have nothing to take
-    end = features[0].end
+    vlm.driver.runner.multimodal.cache.clear()
+    # the step reaches the first image but schedules no encoder input: its rows have nothing to take
+    step = ScheduledRequest("missing", 0, vlm.features[0].end, vlm.driver.blocks_for(len(vlm.token_ids)), True,
+                            False, False)
     with pytest.raises(RequestFailedError) as error:
-        driver.runner.execute(SchedulerOutput([ScheduledRequest("missing", 0, end, list(range(60, 64)), True, False,
-                                                                False)],
-                                              [_new("missing", token_ids, features)]))
+        vlm.driver.runner.execute(SchedulerOutput([step], [new_request("missing", vlm.token_ids, vlm.features)]))
     assert error.value.request_ids == ["missing"]
 
 
-def _new(request_id, token_ids, features):
-    from chunkserve.core.messages import NewRequestData
-    from chunkserve.sampling_params import SamplingParams
-
-    return NewRequestData(request_id, token_ids, SamplingParams(temperature=0.0, max_tokens=1), None,
-                          mm_features=features)
-
-
-def test_qwen2_vl_rows_take_m_rope_positions(vlm, monkeypatch):
+def test_qwen2_vl_rows_take_m_rope_positions(qwen2_vl, monkeypatch):
     """Prompt rows at transformers' get_rope_index positions, whichever chunk they fall in; decodes
     at position + delta on all three axes; 1-D positions instead give other logits."""
-    architecture, driver, token_ids, features, reference, expected = vlm
-    if architecture != "qwen2_vl":
-        pytest.skip("M-RoPE is Qwen2-VL's")
+    driver, token_ids, features, reference = qwen2_vl.driver, qwen2_vl.token_ids, qwen2_vl.features, qwen2_vl.reference
     inputs = hf_inputs(token_ids, features)
     rope, delta = reference.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
                                                  image_grid_thw=inputs["image_grid_thw"])
@@ -107,4 +120,21 @@ def test_qwen2_vl_rows_take_m_rope_positions(vlm, monkeypatch):
     assert int(delta) < 0  # images take fewer positions than tokens: the control below is not the same run
     monkeypatch.setattr(driver.encoder, "uses_mrope", False)
     logits, _ = driver.prefill("one-d", token_ids, features, chunk=1000)
-    assert (logits - expected).abs().max() > 1e-4
+    assert (logits - qwen2_vl.expected).abs().max() > 1e-4
+
+
+def test_idefics3_image_split_into_crops(tmp_path, tmp_path_factory):
+    """Splitting an image into crops puts row/column markers among its image tokens: a chunk
+    takes encoder rows only at the image tokens, wherever it is cut."""
+    folder = shutil.copytree(vlm_folder(tmp_path_factory, "idefics3"), tmp_path / "idefics3")
+    config_path = folder / "processor_config.json"
+    config = json.loads(config_path.read_text())
+    config["image_processor"].update(do_image_splitting=True, size={"longest_edge": 64})
+    config_path.write_text(json.dumps(config))
+    driver = MultiModalDriver(folder)
+    token_ids, features = driver.process([random_image(1, 64, 40), random_image(2, 30, 64)])
+    assert all(0 < f.num_embeds < f.length for f in features)
+    with torch.inference_mode():
+        expected = hf_model(folder)(**hf_inputs(token_ids, features)).logits[0]
+    logits, _ = driver.prefill("crops", token_ids, features, chunk=3)
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=1e-4)

@@ -10,6 +10,7 @@ depend on the other images of the prompt: the same image is the same encoder inp
 from __future__ import annotations
 
 import hashlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ class _Expansion:
     token_ids: list[int]
 
 
-class MultiModalProcessor:
+class MultiModalProcessor(ABC):
     """Per architecture, `_expand` turns one image into its tensors and tokens; the rest is shared."""
 
     image_placeholder: str  # what the chat template writes for one {"type": "image"} part, before expansion
@@ -78,12 +79,13 @@ class MultiModalProcessor:
         token_ids.extend(prompt_ids[previous:])
         return token_ids, features
 
+    @abstractmethod
     def max_tokens_per_item(self) -> int:
         """The most placeholder tokens (a feature's length) one image may take."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _expand(self, image: Image) -> _Expansion:
-        raise NotImplementedError
+        """The image's tensors and the tokens its placeholder token becomes."""
 
     def _feature(self, expansion: _Expansion, start: int) -> MultiModalFeature:
         is_image = np.asarray(expansion.token_ids) == self.image_token_id

@@ -10,7 +10,7 @@ from chunkserve.config.parallel import ParallelConfig
 from chunkserve.errors import ModelLoadError
 from chunkserve.model.loader import load_model_config
 from chunkserve.model.vlm.checkpoint import text_weight_name, vision_weight_name
-from tests.multimodal_models import build_vlm
+from tests.multimodal_runner import vlm_folder
 
 
 @pytest.mark.parametrize("name, ours", [
@@ -36,8 +36,8 @@ def test_vision_weights_under_either_naming():
     assert vision_weight_name("model.layers.0.mlp.up_proj.weight", modules) is None
 
 
-def test_qwen2_vl_config_is_its_text_decoder_with_m_rope(tmp_path):
-    config = load_model_config(ModelSource(build_vlm("qwen2_vl", str(tmp_path)), "hf"))
+def test_qwen2_vl_config_is_its_text_decoder_with_m_rope(tmp_path_factory):
+    config = load_model_config(ModelSource(vlm_folder(tmp_path_factory, "qwen2_vl"), "hf"))
     assert config.architecture == "Qwen2VLForConditionalGeneration" and config.qkv_bias
     assert (config.hidden_size, config.num_layers, config.head_dim) == (64, 2, 16)
     assert config.multimodal.mrope_section == (4, 2, 2) and config.multimodal.image_token_id == 49154

@@ -10,12 +10,13 @@ from chunkserve.config.model import ModelSource
 from chunkserve.errors import InvalidRequestError
 from chunkserve.model.loader import load_model_config
 from chunkserve.model.vlm.processing import MultiModalProcessor
-from tests.multimodal_models import build_vlm, random_image
+from tests.multimodal_models import random_image
+from tests.multimodal_runner import vlm_folder
 
 
 @pytest.fixture(scope="module", params=["llava", "idefics3", "qwen2_vl"])
 def vlm(request, tmp_path_factory) -> tuple[str, str, MultiModalProcessor]:
-    folder = build_vlm(request.param, str(tmp_path_factory.mktemp(request.param)))
+    folder = vlm_folder(tmp_path_factory, request.param)
     return request.param, folder, MultiModalProcessor.from_folder(folder, load_model_config(ModelSource(folder, "hf")))
 
 
@@ -60,9 +61,9 @@ def test_placeholder_count_mismatch_is_a_400(vlm):
     assert error.value.param == "messages"
 
 
-def test_marker_tokens_between_image_tokens_are_not_embeds(tmp_path):
+def test_marker_tokens_between_image_tokens_are_not_embeds(tmp_path_factory):
     """Idefics3 splitting an image into crops writes row/column markers among its image tokens."""
-    folder = build_vlm("idefics3", str(tmp_path))
+    folder = vlm_folder(tmp_path_factory, "idefics3")
     processor = MultiModalProcessor.from_folder(folder, load_model_config(ModelSource(folder, "hf")))
     processor.processor.image_processor.do_image_splitting = True
     processor.processor.image_processor.size = {"longest_edge": 64}
