@@ -178,6 +178,9 @@ class EngineCore:
             raise InvalidRequestError(f"no unfinished request {request_id!r} to export")
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             raise InvalidRequestError(f"request {request_id!r} is still loading its KV; export it later")
+        if request.mm_features:  # a snapshot carries token ids only: its blocks' image keys could not be checked
+            raise InvalidRequestError(f"request {request_id!r} has images, and requests with images cannot be "
+                                      "exported: a snapshot carries no images")
         block_size = self.config.block_size
         num_computed = request.num_computed_tokens
         hashes = self.scheduler.kv.block_hashes_for(request, num_computed // block_size)
@@ -420,6 +423,10 @@ class EngineCore:
                                     for s in scheduled.scheduled if s.draft_token_ids),
             grammar_mask_s=scheduled.grammar_mask_s,
             grammar_compile_s=tuple(self.structured.take_compile_seconds()),
+            num_encoder_inputs=scheduled.num_encoder_inputs,
+            num_encoder_embeds=scheduled.num_encoder_embeds,
+            encoder_cache_hits=scheduled.encoder_cache_hits,
+            encoder_s=runner_output.encoder_seconds,
             request_ids=tuple(s.request_id for s in scheduled.scheduled) if pipelined else (),
             sampled_request_ids=tuple(s.request_id for s in scheduled.scheduled if s.sample) if pipelined else (),
             ranks=tuple(dataclasses.asdict(r) for r in runner_output.rank_stats) if len(runner_output.rank_stats) > 1
