@@ -204,17 +204,7 @@ class InputProcessor:
         if options["continue_final_message"] and options["add_generation_prompt"]:
             raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                                       "continue_final_message")
-        template, field = options.pop("chat_template"), "chat_template"
-        if template is None:
-            template, field = getattr(self.tokenizer, "chat_template", None), "messages"
-            if not template:
-                raise InvalidRequestError("this model has no chat template; send a plain prompt or a chat_template "
-                                          "instead", "messages")
-        elif not isinstance(template, str):
-            raise InvalidRequestError("chat_template must be a string (a Jinja template)", "chat_template")
-        elif len(template) > limit:
-            raise InvalidRequestError(f"chat_template has {len(template)} characters, over the limit of {limit} "
-                                      "(--max-prompt-chars)", "chat_template")
+        template, field = self._template(options.pop("chat_template"))
         try:
             text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, **options)
         except Exception as error:  # the template's own checks (e.g. roles must alternate) raise anything
@@ -226,6 +216,22 @@ class InputProcessor:
         if images:
             return self.expand_images(text, images, "messages")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _template(self, chat_template: str | None) -> tuple[str, str]:
+        """The template to render with (the request's, else the model's) and the field its errors name."""
+        limit = self.limits.max_prompt_chars
+        if chat_template is None:
+            template = getattr(self.tokenizer, "chat_template", None)
+            if not template:
+                raise InvalidRequestError("this model has no chat template; send a plain prompt or a chat_template "
+                                          "instead", "messages")
+            return template, "messages"
+        if not isinstance(chat_template, str):
+            raise InvalidRequestError("chat_template must be a string (a Jinja template)", "chat_template")
+        if len(chat_template) > limit:
+            raise InvalidRequestError(f"chat_template has {len(chat_template)} characters, over the limit of {limit} "
+                                      "(--max-prompt-chars)", "chat_template")
+        return chat_template, "chat_template"
 
     def _structured_outputs(self, params: SamplingParams) -> SamplingParams:
         """The request's structured outputs with the server's defaults laid over them

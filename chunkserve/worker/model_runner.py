@@ -134,10 +134,7 @@ class ModelRunner:
         if not parallel.is_first_stage:
             rows = (len(batch.input_ids), self.hidden_size)
             intermediate = tuple(parallel.recv_from_prev_stage([rows, rows], self.dtype))
-        positions, input_embeds = batch.positions, None
-        if self.multimodal is not None:
-            input_embeds = self.multimodal.input_embeds(batch, scheduled, self.model.embed_tokens)
-            positions = self.multimodal.positions(batch, scheduled)
+        positions, input_embeds = self._positions_and_embeds(batch, scheduled)
         hidden = self.model(batch.input_ids, positions, self.kv_caches, batch.attn, intermediate, input_embeds)
         if not parallel.is_last_stage:
             parallel.send_to_next_stage(list(hidden))
@@ -180,6 +177,15 @@ class ModelRunner:
             for state, run in zip(states, runs):  # the step succeeded: only now does any state change
                 state.token_ids.extend(run)
         return scored
+
+    def _positions_and_embeds(self, batch: ForwardBatch, scheduled: list[ScheduledRequest]
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows' positions ([3, T] for M-RoPE) and, in a step that reaches an image, their
+        input embeddings with the image rows spliced in (None: the model embeds the input ids)."""
+        if self.multimodal is None:
+            return batch.positions, None
+        return (self.multimodal.positions(batch, scheduled),
+                self.multimodal.input_embeds(batch, scheduled, self.model.embed_tokens))
 
     def _score_prompts(self, batch: ForwardBatch, scheduled: list[ScheduledRequest],
                        hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
