@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from chunkserve import LLM, SamplingParams
+from chunkserve.sampling_params import StructuredOutputsParams
 from chunkserve.entrypoints.llm import engine_prompt
 from chunkserve.errors import InvalidRequestError
 from tests.engine.support import assert_pool_free
@@ -148,3 +149,17 @@ def test_an_image_longer_than_the_budget_is_refused_at_start_up_without_chunked_
     llm = engine_of(llava, block_size=8, max_num_batched_tokens=8)  # without the flag, the image splits
     out = llm.chat(chat_with(random_image(10)), greedy(4))[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_ngram_speculation_and_structured_outputs_compose_with_images(llava):
+    """They act on the generated tokens only: speculation keeps the greedy tokens exact, a
+    grammar's choice is one of its strings, with an image prompt chunked through its image."""
+    messages = chat_with(random_image(11))
+    plain = engine_of(llava, max_num_batched_tokens=16).chat(messages, greedy(24))[0].outputs[0].token_ids
+    speculative = engine_of(llava, max_num_batched_tokens=16, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "policy": "always"})
+    assert speculative.chat(messages, greedy(24))[0].outputs[0].token_ids == plain
+    choices = ["a cat", "a dog"]
+    params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(choice=choices))
+    assert speculative.chat(messages, params)[0].outputs[0].text in choices
