@@ -33,8 +33,7 @@ Run it with
     .venv/bin/python -m benchmarks.engine.multimodal --json multimodal.json
     .venv/bin/python -m benchmarks.engine.multimodal --smoke   # seconds, tiny shapes: does it run?
 
-(a full run takes about 10 minutes on a 2-core machine: a 512 x 512 image costs the encoder
-~4 s there at float32; the first run builds the model, 5 s more).
+(a full run takes about 10 minutes on a 2-core machine; the first run also builds the model).
 """
 
 from __future__ import annotations
