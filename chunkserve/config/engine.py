@@ -19,6 +19,7 @@ from chunkserve.config.fields import arg, flag_of, human_readable_int
 from chunkserve.config.kv_connector import KVConnectorConfig
 from chunkserve.config.kv_tier import KVTierConfig
 from chunkserve.config.limits import RequestLimits
+from chunkserve.config.multimodal import MultiModalConfig
 from chunkserve.config.parallel import ParallelConfig, parse_layer_partition
 from chunkserve.config.scheduler import DEFAULT_MAX_NUM_SEQS, ChunkSchedule, SchedulerConfig
 from chunkserve.config.speculative import SpeculativeConfig
@@ -161,6 +162,11 @@ class EngineArgs:
     max_stop_sequence_chars: int = flag_of(RequestLimits, "max_stop_sequence_chars")
     max_stop_token_ids: int = flag_of(RequestLimits, "max_stop_token_ids")
     max_logit_bias: int = flag_of(RequestLimits, "max_logit_bias")
+    limit_mm_per_prompt: str | dict | None = flag_of(MultiModalConfig, "limit_mm_per_prompt")
+    allowed_local_media_path: str = flag_of(MultiModalConfig, "allowed_local_media_path")
+    allowed_media_domains: list[str] | None = flag_of(MultiModalConfig, "allowed_media_domains")
+    max_image_bytes: int = flag_of(MultiModalConfig, "max_image_bytes")
+    max_image_pixels: int = flag_of(MultiModalConfig, "max_image_pixels")
 
     def __post_init__(self) -> None:
         """Builds (and so checks) every leaf the flags give before the model is known; the rules
@@ -182,6 +188,7 @@ class EngineArgs:
             _fail("tensor/pipeline parallelism cannot be combined with disaggregation_mode or "
                   "enable_hierarchical_cache yet (their KV connectors move one rank's KV pool)")
         self.structured_outputs()
+        self.multimodal_config()
         speculative = self.speculative()
         if speculative is not None and parallel.pipeline_parallel_size > 1:
             _fail("speculative decoding is not supported with pipeline parallelism (as in vLLM): a request's drafts "
@@ -222,6 +229,15 @@ class EngineArgs:
 
     def structured_outputs(self) -> StructuredOutputsConfig:
         return StructuredOutputsConfig.parse(self.structured_outputs_config)
+
+    def multimodal_config(self) -> MultiModalConfig:
+        return MultiModalConfig(
+            limit_mm_per_prompt=self.limit_mm_per_prompt,
+            allowed_local_media_path=self.allowed_local_media_path,
+            allowed_media_domains=self.allowed_media_domains,
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+        )
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(

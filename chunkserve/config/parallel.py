@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chunkserve.config.fields import arg
-from chunkserve.errors import InvalidRequestError
+from chunkserve.errors import InvalidRequestError, ModelLoadError
 
 # the control socket (scheduler outputs to the workers, their results back) listens this far above
 # --master-port, where torch.distributed's store listens
@@ -116,8 +116,12 @@ class ParallelConfig:
     def check_model(self, model: Any) -> None:
         """Refuse at start-up what vLLM refuses: heads that do not divide over the TP ranks
         (KV heads either divide or are replicated), MLP rows that do not; too few layers for
-        the stages. `model`: the model's shape (a ModelConfig)."""
+        the stages; a vision-language model on more than one rank (its vision encoder runs on
+        one). `model`: the model's shape (a ModelConfig)."""
         tp = self.tensor_parallel_size
+        if getattr(model, "multimodal", None) is not None and self.world_size > 1:
+            raise ModelLoadError(f"{model.architecture} is a vision-language model, which runs on one rank only: "
+                                 "leave --tensor-parallel-size and --pipeline-parallel-size at 1")
         num_heads, num_kv_heads, num_layers = model.num_heads, model.num_kv_heads, model.num_layers
         if num_heads % tp:
             raise InvalidRequestError(

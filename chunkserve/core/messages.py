@@ -154,6 +154,8 @@ class ModelRunnerOutput:
     invalid_block_ids: set[int] = field(default_factory=set)
     kv_connector_output: object = None  # the connector's worker side to its scheduler side (its own type)
     rank_stats: list[RankStepStats] = field(default_factory=list)  # several ranks: each one's compute and comms
+    num_encoder_calls: int = 0  # images the vision encoder encoded in this step
+    encoder_seconds: float = 0.0  # the vision encoder's time in this step
 
 
 class EngineCoreOutput(NamedTuple):

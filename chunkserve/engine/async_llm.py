@@ -33,6 +33,7 @@ from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.core import MAX_STEP_RECORDS
 from chunkserve.engine.core_client import CoreClient, EventHandler, ProcessCore, ThreadCore
 from chunkserve.engine.frontend import Frontend
+from chunkserve.engine.input_processor import MultiModalPrompt, Prompt
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.engine.messages import (
     AbortRequests,
@@ -180,7 +181,7 @@ class AsyncLLM:
 
     # ----- the caller's side (event loop) --------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                           priority: int = 0, cache_salt: str | None = None,
                           kv_transfer_params: TransferParams | None = None,
                           add_special_tokens: bool = True) -> RequestStream:
@@ -222,10 +223,11 @@ class AsyncLLM:
         return RequestStream(request_id, outputs, abort)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                                  **options: Any) -> list[int]:
-        """A conversation -> prompt token ids (off the event loop, like tokenizing); `options`: the
-        input processor's (continue_final_message, chat_template, chat_template_kwargs, documents,
-        add_special_tokens, tools)."""
+                                  **options: Any) -> list[int] | MultiModalPrompt:
+        """A conversation -> prompt token ids, with its images loaded, decoded and expanded where it
+        has any (all off the event loop, like tokenizing); `options`: the input processor's
+        (continue_final_message, chat_template, chat_template_kwargs, documents, add_special_tokens,
+        tools)."""
         return await asyncio.get_running_loop().run_in_executor(
             self._text_pool, functools.partial(self.input_processor.apply_chat_template, messages,
                                                add_generation_prompt, **options))

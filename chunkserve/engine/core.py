@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from chunkserve.config.engine import EngineArgs
+from chunkserve.config.model import resolve_model
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv.snapshot import RequestSnapshot, SnapshotBlock
 from chunkserve.core.kv_connector import KVConnectorScheduler
@@ -28,6 +29,7 @@ from chunkserve.core.sched.scheduler import Scheduler
 from chunkserve.core.stats import SchedulerStats, hit_rate
 from chunkserve.core.step_predictor import StepShape, StepTimePredictor, observed_step_seconds
 from chunkserve.core.structured.manager import StructuredOutputManager
+from chunkserve.engine.frontend import multimodal_processor
 from chunkserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from chunkserve.engine.outputs import StepRecord
 from chunkserve.engine.triage import StepFailureTriage
@@ -82,7 +84,7 @@ class EngineCore:
         self.model_config: ModelConfig = self.executor.model_config
         num_blocks = self.executor.determine_num_kv_blocks()
         self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks)
-        self.engine_config = config.create_engine_config(self.max_model_len)
+        self.engine_config = config.create_engine_config(self.max_model_len, self._max_tokens_per_image())
         self.scheduler_config = self.engine_config.scheduler
         self.executor.load_model(self.max_model_len)
         self.executor.initialize_kv_cache(num_blocks)
@@ -109,13 +111,19 @@ class EngineCore:
 
     def _load_tokenizer(self):
         """The model's tokenizer, for the grammars (loaded by the first one, on its compile thread)."""
-        from chunkserve.config.model import resolve_model
         from chunkserve.engine.tokenizer import load_tokenizer
 
         return load_tokenizer(resolve_model(self.config.model), self.config.tokenizer)
 
     def info(self, model_name: str) -> EngineInfo:
         return EngineInfo(model_name, self.max_model_len, self.model_config.vocab_size, self.executor.cpu_threads())
+
+    def _max_tokens_per_image(self) -> int | None:
+        """The most placeholder tokens one image may take (the scheduler's encoder budgets and
+        --disable-chunked-mm-input's start-up check); None for a text-only model."""
+        if self.model_config.multimodal is None:
+            return None
+        return multimodal_processor(resolve_model(self.config.model)).max_tokens_per_item()
 
     # ----- requests ---------------------------------------------------------------------
 
@@ -170,6 +178,9 @@ class EngineCore:
             raise InvalidRequestError(f"no unfinished request {request_id!r} to export")
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             raise InvalidRequestError(f"request {request_id!r} is still loading its KV; export it later")
+        if request.mm_features:  # a snapshot carries token ids only: its blocks' image keys could not be checked
+            raise InvalidRequestError(f"request {request_id!r} has images, and requests with images cannot be "
+                                      "exported: a snapshot carries no images")
         block_size = self.config.block_size
         num_computed = request.num_computed_tokens
         hashes = self.scheduler.kv.block_hashes_for(request, num_computed // block_size)
@@ -412,6 +423,10 @@ class EngineCore:
                                     for s in scheduled.scheduled if s.draft_token_ids),
             grammar_mask_s=scheduled.grammar_mask_s,
             grammar_compile_s=tuple(self.structured.take_compile_seconds()),
+            num_encoder_inputs=scheduled.num_encoder_inputs,
+            num_encoder_embeds=scheduled.num_encoder_embeds,
+            encoder_cache_hits=scheduled.encoder_cache_hits,
+            encoder_s=runner_output.encoder_seconds,
             request_ids=tuple(s.request_id for s in scheduled.scheduled) if pipelined else (),
             sampled_request_ids=tuple(s.request_id for s in scheduled.scheduled if s.sample) if pipelined else (),
             ranks=tuple(dataclasses.asdict(r) for r in runner_output.rank_stats) if len(runner_output.rank_stats) > 1

@@ -1,7 +1,11 @@
 """The frontend's side of a new request: text (or a conversation, through the model's chat
 template) to token ids, parameters resolved and checked against the engine's limits, before
 anything reaches the engine core. Sizes are checked against `RequestLimits` before any work is
-done for them: a prompt over the character limit is refused without being tokenized."""
+done for them: a prompt over the character limit is refused without being tokenized. A prompt
+with images (a chat's image parts, the offline API's multi_modal_data) is checked against
+--limit-mm-per-prompt, its images loaded and checked (engine/media.py), and the model's
+processor expands each image into its placeholder tokens, which count against max_model_len
+like any other prompt token."""
 
 from __future__ import annotations
 
@@ -13,28 +17,49 @@ from typing import Any
 
 from chunkserve.config.limits import RequestLimits
 from chunkserve.config.model import ModelSource
+from chunkserve.config.multimodal import MultiModalConfig
 from chunkserve.config.structured_outputs import StructuredOutputsConfig
 from chunkserve.core.disagg.protocol import TransferParams
+from chunkserve.core.multimodal import MultiModalFeature
 from chunkserve.core.structured import grammar
+from chunkserve.engine.chat_content import ImageItem, content_chars, split_images
+from chunkserve.engine.media import MediaLoader
 from chunkserve.engine.messages import EngineCoreRequest, EngineInfo
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import SamplingParams
 
 
+@dataclasses.dataclass(frozen=True)
+class MultiModalPrompt:
+    """A prompt whose images the model's processor has expanded: its token ids, each image's
+    placeholder tokens among them, and one feature per image, in prompt order."""
+
+    token_ids: list[int]
+    features: list[MultiModalFeature]
+
+
+Prompt = str | list[int] | MultiModalPrompt
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Any, source: ModelSource, info: EngineInfo, limits: RequestLimits,
                  disaggregation_mode: str = "null",
-                 structured_outputs: StructuredOutputsConfig | None = None) -> None:
+                 structured_outputs: StructuredOutputsConfig | None = None,
+                 multimodal: MultiModalConfig | None = None, mm_processor: Any = None) -> None:
         """`structured_outputs`: the server's defaults for requests' structured outputs
-        (--structured-outputs-config)."""
+        (--structured-outputs-config). `mm_processor`: the model's MultiModalProcessor (None: a
+        text-only model); `multimodal`: where images may come from and how many (the flags)."""
         self.tokenizer = tokenizer
+        self.multimodal = multimodal or MultiModalConfig()
+        self.media = MediaLoader(self.multimodal)
+        self.mm_processor = mm_processor
         self.disaggregation_mode = disaggregation_mode
         self.structured_outputs = structured_outputs or StructuredOutputsConfig()
         self.info = info
         self.limits = limits
         self.eos_token_id, self.extra_stop_ids = eos_ids(tokenizer, source)
 
-    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                 priority: int = 0, arrival_time: float | None = None,
                 cache_salt: str | None = None, kv_transfer_params: TransferParams | None = None,
                 add_special_tokens: bool = True) -> tuple[EngineCoreRequest, str | None]:
@@ -44,7 +69,8 @@ class InputProcessor:
         requests with the same salt share prefix-cache blocks. `kv_transfer_params`: the router's pairing, which a
         disaggregated instance needs (a monolithic one ignores it); a prefill instance computes
         the prompt and samples only the first token, checked against the client's max_tokens
-        all the same, so that it refuses what its decode instance refuses."""
+        all the same, so that it refuses what its decode instance refuses. A MultiModalPrompt
+        (`expand_images`, `apply_chat_template`) carries its images as the request's mm_features."""
         if self.disaggregation_mode == "null":
             kv_transfer_params = None
         elif kv_transfer_params is None:
@@ -63,6 +89,7 @@ class InputProcessor:
             raise InvalidRequestError("prompt_logprobs is not supported by a prefill/decode disaggregated "
                                       "deployment: the prompt is computed on another instance", "prompt_logprobs")
         params = self._structured_outputs(params)
+        features = self._check_features(prompt, params)
         text, token_ids = self._tokenize(prompt, add_special_tokens)
         token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         params = self._resolve_params(params, len(token_ids))
@@ -77,14 +104,70 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
+            mm_features=features,
         )
         return request, text
+
+    def _check_features(self, prompt: Prompt, params: SamplingParams) -> list[MultiModalFeature]:
+        """A prompt's images, refused where a feature cannot take them yet."""
+        if not isinstance(prompt, MultiModalPrompt) or not prompt.features:
+            return []
+        if self.disaggregation_mode != "null":
+            raise InvalidRequestError("images are not supported with prefill/decode disaggregation yet", "messages")
+        if params.truncate_prompt_tokens is not None:
+            raise InvalidRequestError("truncate_prompt_tokens cannot be combined with images: it could cut an "
+                                      "image's placeholder tokens", "truncate_prompt_tokens")
+        return list(prompt.features)
+
+    def expand_images(self, text: str, images: list[ImageItem], field: str = "prompt") -> MultiModalPrompt:
+        """A text prompt holding one image placeholder per image (as the chat template writes
+        them) -> its token ids with the images expanded, and their features. The images are
+        counted (--limit-mm-per-prompt) before any is loaded; each is loaded and checked
+        (engine/media.py). Raises InvalidRequestError naming the bad part."""
+        self.check_images(images)
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError(f"{field} must be a non-empty string (text holding the images' placeholders)",
+                                      field)
+        if len(text) > self.limits.max_prompt_chars:
+            raise InvalidRequestError(f"{field} has {len(text)} characters, over the limit of "
+                                      f"{self.limits.max_prompt_chars} (--max-prompt-chars)", field)
+        placeholder = self.mm_processor.image_placeholder
+        if field == "prompt" and text.count(placeholder) != len(images):  # a chat template writes them itself
+            raise InvalidRequestError(f"prompt holds {text.count(placeholder)} image placeholders ({placeholder!r}) "
+                                      f"for {len(images)} images: write one where each image goes", field)
+        loaded = [self._load_image(item) for item in images]
+        try:
+            token_ids, features = self.mm_processor.process(text, loaded)
+        except InvalidRequestError:
+            raise
+        except Exception as error:  # the image processor's own checks (e.g. an image too small to patch)
+            raise InvalidRequestError(f"the model's processor refused the images: {error}", images[0].param) from None
+        return MultiModalPrompt(token_ids, features)
+
+    def check_images(self, images: list[ImageItem]) -> None:
+        """That this model takes images, and no more of them than --limit-mm-per-prompt."""
+        if not images:
+            return
+        if self.mm_processor is None:
+            raise InvalidRequestError(f"model {self.info.model_name!r} does not take images: it is not a multimodal "
+                                      "(vision-language) model", images[0].param)
+        limit = self.multimodal.limits()["image"]
+        if len(images) > limit:
+            raise InvalidRequestError(f"the prompt has {len(images)} images, over the limit of {limit} per prompt "
+                                      "(--limit-mm-per-prompt)", images[limit].param)
+
+    def _load_image(self, item: ImageItem) -> Any:
+        if item.url is not None:
+            return self.media.load_image(item.url, item.param)
+        self.media.check_pixels(item.image, item.param)
+        return item.image
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, chat_template: str | None = None,
                             chat_template_kwargs: dict[str, Any] | None = None,
                             documents: list[dict[str, str]] | None = None,
-                            add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            add_special_tokens: bool = False,
+                            tools: list[dict[str, Any]] | None = None) -> list[int] | MultiModalPrompt:
         """A conversation -> prompt token ids, as vLLM renders it: the template (`chat_template`, else
         the tokenizer's or --chat-template's) renders to text, with `chat_template_kwargs` laid over
         add_generation_prompt, continue_final_message, documents and chat_template; the text is then
@@ -92,14 +175,19 @@ class InputProcessor:
         tokenize=True gives the same ids). continue_final_message leaves the last message open (no
         end-of-turn) for the model to continue. `tools`: function tools for templates that render them;
         assistant tool_calls whose arguments are JSON text reach the template with them as a dict, as
-        vLLM passes them (tool-use templates expect a mapping). Raises InvalidRequestError naming the field."""
+        vLLM passes them (tool-use templates expect a mapping). Messages with image parts
+        (engine/chat_content.py) reach the template with `{"type": "image"}` parts in their place,
+        and give a MultiModalPrompt (`expand_images`; its text is encoded without special tokens).
+        Raises InvalidRequestError naming the field."""
         if not messages:
             raise InvalidRequestError("messages is empty", "messages")
         if len(messages) >= self.info.max_model_len:  # each message takes at least a token of the template
             raise InvalidRequestError(f"messages has {len(messages)} messages; max_model_len "
                                       f"({self.info.max_model_len} tokens) cannot hold them", "messages")
         limit = self.limits.max_prompt_chars
-        chars = sum(len(m.get("content") or "") for m in messages)
+        messages, images = split_images(messages)
+        self.check_images(images)
+        chars = sum(content_chars(m.get("content")) for m in messages)
         chars += sum(len(v) for document in documents or () for v in document.values())
         chars += len(json.dumps(tools, default=str)) if tools else 0  # (transformers also takes functions as tools)
         messages = [_tool_arguments_as_dicts(m) for m in messages]
@@ -116,17 +204,7 @@ class InputProcessor:
         if options["continue_final_message"] and options["add_generation_prompt"]:
             raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                                       "continue_final_message")
-        template, field = options.pop("chat_template"), "chat_template"
-        if template is None:
-            template, field = getattr(self.tokenizer, "chat_template", None), "messages"
-            if not template:
-                raise InvalidRequestError("this model has no chat template; send a plain prompt or a chat_template "
-                                          "instead", "messages")
-        elif not isinstance(template, str):
-            raise InvalidRequestError("chat_template must be a string (a Jinja template)", "chat_template")
-        elif len(template) > limit:
-            raise InvalidRequestError(f"chat_template has {len(template)} characters, over the limit of {limit} "
-                                      "(--max-prompt-chars)", "chat_template")
+        template, field = self._template(options.pop("chat_template"))
         try:
             text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, **options)
         except Exception as error:  # the template's own checks (e.g. roles must alternate) raise anything
@@ -135,7 +213,25 @@ class InputProcessor:
         if len(text) > limit:
             raise InvalidRequestError(f"the chat template's text has {len(text)} characters, over the limit of "
                                       f"{limit} (--max-prompt-chars)", field)
+        if images:
+            return self.expand_images(text, images, "messages")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _template(self, chat_template: str | None) -> tuple[str, str]:
+        """The template to render with (the request's, else the model's) and the field its errors name."""
+        limit = self.limits.max_prompt_chars
+        if chat_template is None:
+            template = getattr(self.tokenizer, "chat_template", None)
+            if not template:
+                raise InvalidRequestError("this model has no chat template; send a plain prompt or a chat_template "
+                                          "instead", "messages")
+            return template, "messages"
+        if not isinstance(chat_template, str):
+            raise InvalidRequestError("chat_template must be a string (a Jinja template)", "chat_template")
+        if len(chat_template) > limit:
+            raise InvalidRequestError(f"chat_template has {len(chat_template)} characters, over the limit of {limit} "
+                                      "(--max-prompt-chars)", "chat_template")
+        return chat_template, "chat_template"
 
     def _structured_outputs(self, params: SamplingParams) -> SamplingParams:
         """The request's structured outputs with the server's defaults laid over them
@@ -186,7 +282,9 @@ class InputProcessor:
             raise InvalidRequestError(f"{one} has {longest} characters, over the limit of "
                                       f"{limits.max_stop_sequence_chars} (--max-stop-sequence-chars)", name)
 
-    def _tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: Prompt, add_special_tokens: bool) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, MultiModalPrompt):  # the model's processor tokenized it
+            return None, list(prompt.token_ids)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", "prompt")

@@ -13,6 +13,7 @@ from chunkserve.core.messages import EngineCoreOutput
 from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.core import EngineCore
 from chunkserve.engine.frontend import Frontend
+from chunkserve.engine.input_processor import Prompt
 from chunkserve.engine.messages import imported_core_request
 from chunkserve.engine.outputs import RequestOutput, StepRecord
 from chunkserve.engine.tokenizer import load_tokenizer
@@ -41,7 +42,7 @@ class LLMEngine:
     def step_records(self):
         return self.engine_core.step_records
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
         """Validate and queue a request. Raises InvalidRequestError; the engine is unchanged then."""
         if self.output_processor.has_request(request_id):

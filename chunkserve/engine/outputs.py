@@ -100,6 +100,10 @@ class StepRecord:
     num_accepted_tokens: int = 0  # of those, accepted
     grammar_mask_s: float = 0.0  # structured outputs: seconds spent filling the step's grammar bitmasks
     grammar_compile_s: tuple[float, ...] = ()  # grammars compiled (off the step loop) since the last record
+    num_encoder_inputs: int = 0  # images: encoded in the step (atomic, before its forward)
+    num_encoder_embeds: int = 0  # their encoder output rows
+    encoder_cache_hits: int = 0  # images a request found in the encoder cache in the step (not encoded again)
+    encoder_s: float = 0.0  # the vision encoder's seconds within duration_s
     # pipelined (the step was in flight from start_time for duration_s, beside others): the requests it
     # computed, decodes first, and those of them it sampled
     request_ids: tuple[str, ...] = ()

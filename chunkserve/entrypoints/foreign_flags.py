@@ -86,14 +86,14 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
                 harmless=("1",)),
     ForeignFlag(("--cpu-offload-gb",), True, refusal="the weights are in CPU memory already", harmless=("0",)),
     ForeignFlag(("--chat-template-content-format",), True,
-                refusal="message contents reach the chat template as strings (a list of text parts is joined)",
+                refusal="message contents reach the chat template as strings (a list of text parts is joined), "
+                        "or, where they have images, as parts with {\"type\": \"image\"} in the images' places",
                 harmless=("auto", "string")),
     # refused: chunkserve cannot do what they ask
     ForeignFlag(("--enable-lora",), False, refusal="LoRA adapters are not supported"),
     ForeignFlag(("--lora-modules", "--max-loras", "--max-lora-rank", "--lora-paths"), True,
                 refusal="LoRA adapters are not supported"),
     ForeignFlag(("--enable-expert-parallel",), False, refusal="no mixture-of-experts model is supported"),
-    ForeignFlag(("--limit-mm-per-prompt",), True, refusal="multimodal inputs are not supported"),
     ForeignFlag(("--kv-transfer-config",), True,
                 refusal="prefill/decode disaggregation uses SGLang's flags: --disaggregation-mode prefill|decode on "
                         "each server and `chunkserve router` in front (README, 'Prefill/decode disaggregation')"),

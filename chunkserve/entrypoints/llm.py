@@ -14,12 +14,16 @@ from tqdm import tqdm
 from chunkserve.config import EngineArgs
 from chunkserve.engine import beam_search as beams
 from chunkserve.engine.beam_search import BeamSearchOutput
+from chunkserve.engine.chat_content import ImageItem
+from chunkserve.engine.input_processor import InputProcessor, MultiModalPrompt
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.engine.outputs import RequestOutput, StepRecord, logprob_dict
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
+# text, token ids, vLLM's {"prompt": ...} / {"prompt_token_ids": ...} (with "multi_modal_data": {"image": ...}),
+# or a chat's prompt with its images expanded
+Prompt = str | list[int] | dict[str, Any] | MultiModalPrompt
 Message = dict[str, Any]  # role and content; an assistant's tool_calls, a tool message's tool_call_id
 
 
@@ -56,8 +60,9 @@ class LLM:
         read the prompt's KV blocks from the prefix cache once the first computed them), logprobs
         and prompt_logprobs as dicts token id -> Logprob, cumulative_logprob with logprobs. A
         prompt is a string, a list of token ids, or vLLM's dict: {"prompt": text} or
-        {"prompt_token_ids": ids}."""
-        prompt_list = [_unwrap(p) for p in _as_prompt_list(prompts)]
+        {"prompt_token_ids": ids}; {"prompt": text, "multi_modal_data": {"image": image or [images]}}
+        gives PIL images whose placeholders the text holds (the model's, e.g. "<image>")."""
+        prompt_list = [engine_prompt(p, self.engine.input_processor) for p in _as_prompt_list(prompts)]
         params = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompt_list),
                              "sampling_params")
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompt_list), "priority")
@@ -74,7 +79,9 @@ class LLM:
         params.beam_width sequences, best first. As in vLLM, a sequence's `tokens` and `text`
         include the prompt's, and its `logprobs` are each step's dict (the step's sampled token
         and top 2 * beam_width)."""
-        prompt_list = [_unwrap(p) for p in _as_prompt_list(prompts)]
+        prompt_list = [engine_prompt(p, self.engine.input_processor) for p in _as_prompt_list(prompts)]
+        if any(isinstance(p, MultiModalPrompt) for p in prompt_list):
+            raise InvalidRequestError("beam search does not take images")
         engine, step = self.engine, params.step_params()
         search = beams.search(prompt_list, params, engine.input_processor.eos_token_id, engine.max_model_len,
                               engine.input_processor.limits.max_logprobs)
@@ -95,8 +102,8 @@ class LLM:
         tokenizer = self.get_tokenizer()
         return functools.lru_cache(maxsize=None)(lambda token_id: tokenizer.decode([token_id]))
 
-    def _generate(self, prompts: list[str | list[int]], params: list[SamplingParams], priorities: list[int],
-                  use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts: list[str | list[int] | MultiModalPrompt], params: list[SamplingParams],
+                  priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
         """Each request's finished output as the engine makes it (its logprobs as records)."""
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
@@ -117,7 +124,9 @@ class LLM:
         """Apply the chat template to one conversation or a list of them, then generate. vLLM's
         names; keyword-only after use_tqdm because vLLM's order has lora_request and others there,
         which a positional call must not silently fill. See `apply_chat_template`. As in vLLM, the
-        answers are not read for tool calls (the server's --tool-call-parser does that)."""
+        answers are not read for tool calls (the server's --tool-call-parser does that). Message
+        contents may be lists of OpenAI's parts: text, image_url (data: URLs, file:// under
+        allowed_local_media_path) and vLLM's image_pil."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template=chat_template,
                                             continue_final_message=continue_final_message, tools=tools,
@@ -127,12 +136,13 @@ class LLM:
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True, *,
                             chat_template: str | None = None, continue_final_message: bool = False,
                             tools: list[dict[str, Any]] | None = None,
-                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """A conversation's prompt token ids, as `chat` makes them: `chat_template` in place of the
-        model's, `chat_template_kwargs` passed to the template (over the other arguments, as in
-        vLLM), `continue_final_message` leaving the last message open for the model to continue
-        (with add_generation_prompt=False), `tools` (OpenAI's function tools) for templates that
-        render them. Raises InvalidRequestError naming a bad argument."""
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int] | MultiModalPrompt:
+        """A conversation's prompt token ids, as `chat` makes them (with its images expanded, a
+        MultiModalPrompt, where its messages have image_url or image_pil parts): `chat_template` in
+        place of the model's, `chat_template_kwargs` passed to the template (over the other
+        arguments, as in vLLM), `continue_final_message` leaving the last message open for the model
+        to continue (with add_generation_prompt=False), `tools` (OpenAI's function tools) for
+        templates that render them. Raises InvalidRequestError naming a bad argument."""
         return self.engine.input_processor.apply_chat_template(
             messages, add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools)
@@ -172,7 +182,7 @@ def _vllm_output(samples: list[RequestOutput], token_text: Callable[[int], str])
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, dict, MultiModalPrompt)):
         return [prompts]
     prompts = list(prompts)
     if not prompts:
@@ -182,17 +192,36 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
-def _unwrap(prompt: Prompt) -> str | list[int]:
-    """vLLM's TextPrompt / TokensPrompt dicts -> the text or the token ids."""
+def engine_prompt(prompt: Prompt, input_processor: InputProcessor) -> str | list[int] | MultiModalPrompt:
+    """vLLM's TextPrompt / TokensPrompt dicts -> the text or the token ids; a text with
+    multi_modal_data -> the prompt with its images expanded by the model's processor."""
     if not isinstance(prompt, dict):
         return prompt
     known = {"prompt", "prompt_token_ids"}
     if len(known & prompt.keys()) != 1 or prompt.keys() - known - {"multi_modal_data", "mm_processor_kwargs"}:
-        raise InvalidRequestError(f"a prompt dict takes exactly one of 'prompt' (text) and 'prompt_token_ids', got "
-                                  f"keys {sorted(prompt)}")
-    if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
-        raise InvalidRequestError("multimodal inputs are not supported")
-    return prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+        raise InvalidRequestError(f"a prompt dict takes exactly one of 'prompt' (text) and 'prompt_token_ids' "
+                                  f"(and multi_modal_data), got keys {sorted(prompt)}")
+    if prompt.get("mm_processor_kwargs"):
+        raise InvalidRequestError("mm_processor_kwargs is not supported: the model's processor runs with the "
+                                  "model folder's settings", "mm_processor_kwargs")
+    if not prompt.get("multi_modal_data"):
+        return prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+    images = _images_of(prompt["multi_modal_data"])
+    if "prompt" not in prompt:
+        input_processor.check_images(images)  # a text-only model's refusal first
+        raise InvalidRequestError("multi_modal_data needs a text prompt holding the images' placeholders, not "
+                                  "prompt_token_ids", "prompt_token_ids")
+    return input_processor.expand_images(prompt["prompt"], images)
+
+
+def _images_of(data: Any) -> list[ImageItem]:
+    """vLLM's multi_modal_data: {"image": a PIL image or a list of them}."""
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise InvalidRequestError("multi_modal_data takes {'image': a PIL image or a list of them}; other "
+                                  f"modalities are not supported, got {data!r:.80}", "multi_modal_data")
+    images = data.get("image")
+    images = images if isinstance(images, (list, tuple)) else [images]
+    return [ImageItem(f"multi_modal_data.image[{index}]", image=image) for index, image in enumerate(images)]
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,8 +10,24 @@ import torch
 
 from chunkserve.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# vision-language checkpoints -> the text decoder inside them, which our LlamaModel runs. SmolVLM's first
+# checkpoints are Idefics3's; its own class (SmolVLM2) is not here: transformers' SmolVLMProcessor needs a
+# video processor, which needs torchvision
+MULTIMODAL_ARCHITECTURES = {"LlavaForConditionalGeneration": "LlamaForCausalLM",
+                            "Idefics3ForConditionalGeneration": "LlamaForCausalLM",
+                            "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = TEXT_ARCHITECTURES + tuple(MULTIMODAL_ARCHITECTURES)
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class MultiModalSpec:
+    """What the engine must know of a vision-language model beyond its text decoder."""
+
+    architecture: str  # the checkpoint's, e.g. "LlavaForConditionalGeneration"
+    image_token_id: int  # the placeholder token an image's encoder rows replace
+    mrope_section: tuple[int, ...] | None  # Qwen2-VL's M-RoPE: rotary frequencies per t/h/w; None: 1-D RoPE
 
 
 @dataclass(frozen=True)
@@ -32,6 +49,7 @@ class ModelConfig:
     hf_config: Any  # the transformers config, for the rotary parameters
     # divisors of the rotary inverse frequencies [head_dim // 2]: how llama.cpp stores Llama 3's rope scaling
     rope_freq_factors: tuple[float, ...] | None = None
+    multimodal: MultiModalSpec | None = None  # None: a text-only model
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> ModelConfig:
@@ -41,6 +59,12 @@ class ModelConfig:
             raise ModelLoadError(
                 f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if architecture in MULTIMODAL_ARCHITECTURES:
+            return _multimodal_config(architecture, hf_config)
+        return cls._text_config(architecture, hf_config)
+
+    @classmethod
+    def _text_config(cls, architecture: str, hf_config: Any) -> ModelConfig:
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         sliding_window = getattr(hf_config, "sliding_window", None)
@@ -85,6 +109,16 @@ class ModelConfig:
         with torch.device("cpu"):  # even when the model is being built on the meta device
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))
         return inv_freq.float(), float(scaling)
+
+
+def _multimodal_config(architecture: str, hf_config: Any) -> ModelConfig:
+    """The text decoder's shape from the text config, under the checkpoint's architecture."""
+    text_config = hf_config.get_text_config()
+    mrope_section = (getattr(text_config, "rope_parameters", None) or {}).get("mrope_section")
+    spec = MultiModalSpec(architecture=architecture, image_token_id=int(hf_config.image_token_id),
+                          mrope_section=None if mrope_section is None else tuple(mrope_section))
+    decoder = ModelConfig._text_config(MULTIMODAL_ARCHITECTURES[architecture], text_config)
+    return dataclasses.replace(decoder, architecture=architecture, multimodal=spec)
 
 
 def _architecture_from_model_type(hf_config: Any) -> str:

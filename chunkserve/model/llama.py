@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chunkserve.attention.paged import AttentionMetadata, paged_attention, write_kv
+from chunkserve.errors import ModelLoadError
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.parallel import ParallelContext, block_columns, block_rows
 from chunkserve.ops.model_ops import TORCH_OPS, BlockWeight, ModelOps
@@ -54,7 +55,12 @@ class RMSNorm(nn.Module, UsesOps):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (the Hugging Face `rotate_half` layout)."""
+    """Neox-style rotary embedding (the Hugging Face `rotate_half` layout).
+
+    M-RoPE (Qwen2-VL, `mrope_section`): positions are [3, T] (temporal, height, width) and each
+    frequency rotates by the position on its own axis, the frequencies split into sections of
+    t, h, w in turn, as transformers' `apply_multimodal_rotary_pos_emb` splits them (its tables
+    repeat over both halves of head_dim; ours hold one half, which the rotary op takes)."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -64,10 +70,26 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         self.cos = freqs.cos() * scaling  # [max_positions, head_dim // 2]
         self.sin = freqs.sin() * scaling
+        self.mrope_axis = _mrope_axis(config)  # [head_dim // 2]: each frequency's axis (0 t, 1 h, 2 w), or None
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim // 2] at `positions` [T]: looked up once per step, used by every layer."""
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        """cos, sin [T, head_dim // 2] at `positions` [T] (or M-RoPE's [3, T]): looked up once per
+        step, used by every layer."""
+        if positions.dim() == 1:
+            return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        rows = positions[self.mrope_axis].T  # [T, head_dim // 2]: each frequency's position
+        columns = torch.arange(rows.shape[1])
+        return self.cos[rows, columns].to(dtype), self.sin[rows, columns].to(dtype)
+
+
+def _mrope_axis(config: ModelConfig) -> torch.Tensor | None:
+    section = config.multimodal.mrope_section if config.multimodal is not None else None
+    if section is None:
+        return None
+    if sum(section) != config.head_dim // 2:
+        raise ModelLoadError(f"mrope_section {list(section)} must add up to head_dim / 2 ({config.head_dim // 2})")
+    axes = torch.arange(len(section), device="cpu") % 3
+    return torch.repeat_interleave(axes, torch.tensor(section, device="cpu"))
 
 
 class Attention(nn.Module, UsesOps):
@@ -221,14 +243,17 @@ class LlamaModel(nn.Module, UsesOps):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """input_ids, positions: [T]; `kv_caches` one per layer of this stage. The first stage
-        starts from the embeddings of input_ids, a later one from the previous stage's
-        `intermediate` (hidden, residual). The last stage returns the final hidden states
-        [T, hidden]; the others (hidden, residual), each [T, hidden], for the next stage."""
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids: [T]; positions: [T] ([3, T] for M-RoPE); `kv_caches` one per layer of this
+        stage. The first stage starts from `input_embeds` [T, hidden] float32 where given (a
+        vision-language model's rows with image embeddings in them), else from the embeddings of
+        input_ids; a later stage from the previous stage's `intermediate` (hidden, residual). The
+        last stage returns the final hidden states [T, hidden]; the others (hidden, residual),
+        each [T, hidden], for the next stage."""
         if self.parallel.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+            residual = None
         else:
             hidden, residual = intermediate
         rotary = self.rotary(positions, hidden.dtype)

@@ -28,6 +28,7 @@ from chunkserve.errors import InvalidRequestError, ModelLoadError
 from chunkserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.parallel import ParallelContext
+from chunkserve.model.vlm.checkpoint import text_weight_name
 from chunkserve.ops.cpu_features import require_int8_dot, require_native_bf16
 from chunkserve.ops.model_ops import BLOCK_TYPES, BlockWeight
 
@@ -66,7 +67,8 @@ def load_model(source: ModelSource, config: ModelConfig, dtype: str, max_positio
     model = model.to_empty(device="cpu")
     model.compute_dtype = TORCH_DTYPES[dtype]
     if source.kind == "hf":
-        weights, blocks = _read_hf_weights(source.path, model.uses_weight), {}
+        rename = text_weight_name if config.multimodal is not None else None
+        weights, blocks = read_hf_weights(source.path, model.uses_weight, rename), {}
     else:
         weights, blocks = _read_gguf_weights(source.path, config, model.uses_weight)
     with torch.no_grad():
@@ -86,14 +88,20 @@ def _progress(items, description: str, unit: str):
     return tqdm(items, desc=description, unit=unit, disable=None, leave=False)
 
 
-def _read_hf_weights(folder: str, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+def read_hf_weights(folder: str, wanted: Callable[[str], bool],
+                    rename: Callable[[str], str | None] | None = None) -> dict[str, torch.Tensor]:
+    """The `wanted` tensors of a folder's safetensors shards, each under `rename(name)` where
+    given (None: not read)."""
     from safetensors import safe_open
 
     weights: dict[str, torch.Tensor] = {}
     paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     for path in _progress(paths, "Loading safetensors shards", "shard"):
         with safe_open(path, framework="pt") as file:
-            weights.update((name, file.get_tensor(name)) for name in file.keys() if wanted(name))
+            for name in file.keys():
+                ours = name if rename is None else rename(name)
+                if ours is not None and wanted(ours):
+                    weights[ours] = file.get_tensor(name)
     return weights
 
 

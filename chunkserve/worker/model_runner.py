@@ -24,9 +24,11 @@ from chunkserve.core.messages import ModelRunnerOutput, NewRequestData, Schedule
 from chunkserve.errors import RequestFailedError
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
+from chunkserve.model.vlm.encoder import VisionEncoder
 from chunkserve.ops.cpp_ops import cpp_ops_for, model_ops_for
 from chunkserve.worker.input_batch import ForwardBatch, build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_pool, layer_caches, read_blocks, write_blocks
+from chunkserve.worker.multimodal_inputs import MultiModalInputs
 from chunkserve.worker.persistent_batch import PersistentBatch
 from chunkserve.worker.sampler import InvalidRowsError, SamplingState, gather_logprobs, sample_runs
 from chunkserve.worker.draft_model import DraftModelProposer
@@ -38,10 +40,11 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int, seed: int,
                  op_backend: str = "auto", kv_connector: KVConnectorWorker | None = None,
                  kv_config: ModelConfig | None = None, tokens_from_steps: bool = False,
-                 drafter: DraftModelProposer | None = None) -> None:
+                 drafter: DraftModelProposer | None = None, encoder: VisionEncoder | None = None) -> None:
         """`kv_config`: the shape of this rank's share of the KV (its layers and KV heads; default
         `config`, all of them). `drafter`: speculative decoding's draft model, which proposes the
-        next drafts of the requests the scheduler asks (`num_draft_proposals`)."""
+        next drafts of the requests the scheduler asks (`num_draft_proposals`). `encoder`: a
+        vision-language model's vision encoder, whose outputs the runner caches."""
         self.model = model
         self.parallel = model.parallel
         self.vocab_size = config.vocab_size
@@ -58,6 +61,7 @@ class ModelRunner:
         self._layer_connector = None if isinstance(self.kv_connector, NoOpConnector) else self.kv_connector
         self.persistent_batch = PersistentBatch()
         self.drafter = drafter
+        self.multimodal = None if encoder is None else MultiModalInputs(encoder)
         self.cpp_ops = cpp_ops_for(op_backend)
         self.attention_kernels = None if self.cpp_ops is None else self.cpp_ops.attention_kernels()
         model.set_ops(model_ops_for(self.cpp_ops, model.compute_dtype, model.int8_activations))
@@ -73,13 +77,18 @@ class ModelRunner:
         connector.bind_connector_metadata(output.kv_connector_metadata)
         connector.start_load_kv()
         batch = self.persistent_batch
+        multimodal = self.multimodal
         for request_id in output.finished_request_ids:
             batch.remove(request_id)
+            if multimodal is not None:
+                multimodal.remove_request(request_id)
         invalid: dict[str, str] = {}
         for new in output.new_requests:
             state, problem = self._new_state(new)
             batch.remove(new.request_id)  # sent again after a failed step: a fresh state, as the first time
             batch.add(new.request_id, state)
+            if problem is None and multimodal is not None:
+                problem = multimodal.add_request(new)
             if problem is not None:
                 invalid[new.request_id] = problem
         for scheduled in output.scheduled:
@@ -97,6 +106,8 @@ class ModelRunner:
         if invalid:  # raised once the diff is applied, so the batch stays in step with the scheduler
             raise RequestFailedError("; ".join(invalid.values()), list(invalid))
         result = ModelRunnerOutput(sampled_token_ids={})
+        if multimodal is not None:
+            result.num_encoder_calls, result.encoder_seconds = multimodal.run_encoders(output)
         if not output.is_empty:
             scored = self._forward_and_sample(output, result)
             self._keep_prompt_logprobs(output.scheduled, scored, result)
@@ -123,7 +134,8 @@ class ModelRunner:
         if not parallel.is_first_stage:
             rows = (len(batch.input_ids), self.hidden_size)
             intermediate = tuple(parallel.recv_from_prev_stage([rows, rows], self.dtype))
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, intermediate)
+        positions, input_embeds = self._positions_and_embeds(batch, scheduled)
+        hidden = self.model(batch.input_ids, positions, self.kv_caches, batch.attn, intermediate, input_embeds)
         if not parallel.is_last_stage:
             parallel.send_to_next_stage(list(hidden))
             return {}
@@ -165,6 +177,15 @@ class ModelRunner:
             for state, run in zip(states, runs):  # the step succeeded: only now does any state change
                 state.token_ids.extend(run)
         return scored
+
+    def _positions_and_embeds(self, batch: ForwardBatch, scheduled: list[ScheduledRequest]
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows' positions ([3, T] for M-RoPE) and, in a step that reaches an image, their
+        input embeddings with the image rows spliced in (None: the model embeds the input ids)."""
+        if self.multimodal is None:
+            return batch.positions, None
+        return (self.multimodal.positions(batch, scheduled),
+                self.multimodal.input_embeds(batch, scheduled, self.model.embed_tokens))
 
     def _score_prompts(self, batch: ForwardBatch, scheduled: list[ScheduledRequest],
                        hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
@@ -227,6 +248,8 @@ class ModelRunner:
         masked = [*(params.allowed_token_ids or ()), *(t for word in params.bad_words_token_ids or () for t in word)]
         if masked and not 0 <= min(masked) <= max(masked) < self.vocab_size:
             problem = f"allowed_token_ids or bad_words name a token outside the vocabulary [0, {self.vocab_size})"
+        if new.mm_features and self.multimodal is None:
+            problem = "the request has images, but the model takes text only"
         if params.bad_words and params.bad_words_token_ids is None:
             problem = "bad_words were not tokenized (the frontend's input processor does it)"
         try:

@@ -29,6 +29,7 @@ from chunkserve.model.fingerprint import model_fingerprint
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.loader import TORCH_DTYPES, load_model, load_model_config
 from chunkserve.model.parallel import ParallelContext
+from chunkserve.model.vlm.encoder import VisionEncoder
 from chunkserve.sampling_params import SamplingParams
 from chunkserve.worker.draft_model import DraftModelProposer
 from chunkserve.worker.kv_cache import kv_bytes_per_token, num_blocks_for_memory
@@ -59,6 +60,7 @@ class Worker:
             self.draft_source = resolve_model(self.speculative.model)
             self.draft_config = load_model_config(self.draft_source)
         self.drafter: DraftModelProposer | None = None
+        self.encoder: VisionEncoder | None = None  # a vision-language model's vision tower and projector
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
 
@@ -90,6 +92,8 @@ class Worker:
     def load_model(self, max_model_len: int) -> None:
         self.model = load_model(self.source, self.model_config, self.config.dtype, max_model_len, self.parallel,
                                 self.config.int8_activations)
+        if self.model_config.multimodal is not None:  # (load_model refused it on several ranks)
+            self.encoder = VisionEncoder.from_folder(self.source.path, self.model_config)
         if self.draft_config is not None:
             if self.draft_config.max_position_embeddings < max_model_len:
                 raise InvalidRequestError(f"the draft model's limit ({self.draft_config.max_position_embeddings} "
@@ -107,7 +111,8 @@ class Worker:
             self.kv_connector = build_worker_side(config.kv_connector_config(), self.kv_fingerprint)
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size, config.seed,
                                   config.op_backend, self.kv_connector, self.kv_config,
-                                  tokens_from_steps=config.tokens_from_steps, drafter=self.drafter)
+                                  tokens_from_steps=config.tokens_from_steps, drafter=self.drafter,
+                                  encoder=self.encoder)
         _return_freed_memory()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

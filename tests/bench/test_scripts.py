@@ -54,6 +54,8 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "trace_overhead": (["--smoke"], "trace cost per step"),
     "parallel": (["--smoke", "--model", "{tiny}"], "gloo on this host"),
     "grammar_backends": (["--smoke", "--model", "{tiny}"], "| json small | llguidance |"),
+    "multimodal": (["--smoke", "--model-dir", "{tmp}/model", "--json", "{tmp}/multimodal.json"],
+                   "| (d) text arrivals (baseline) |"),
     # server studies: the ones that need peers or minutes of serving run dry; engine_death runs
     # for real on the tiny model (one server, seconds), hostile against the tiny model's server
     "spec_decode": (["--dry-run", "--model", "{tiny}", "--streams", "1", "--requests-per-stream", "1",

@@ -15,13 +15,15 @@ from chunkserve.config.engine import EngineArgs
 from chunkserve.config.kv_connector import KVConnectorConfig
 from chunkserve.config.kv_tier import KVTierConfig
 from chunkserve.config.limits import RequestLimits
+from chunkserve.config.multimodal import MultiModalConfig
 from chunkserve.config.parallel import ParallelConfig
 from chunkserve.config.scheduler import ChunkSchedule, SchedulerConfig
 from chunkserve.entrypoints.args import add_cli_args
 from chunkserve.errors import InvalidRequestError
 
 BUDGET = dict(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=4096, block_size=16)
-LEAVES = (SchedulerConfig, CacheConfig, KVTierConfig, DisaggregationConfig, ParallelConfig, RequestLimits)
+LEAVES = (SchedulerConfig, CacheConfig, KVTierConfig, DisaggregationConfig, ParallelConfig, RequestLimits,
+          MultiModalConfig)
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -114,6 +114,11 @@ class EngineMetrics:
             "a preemption not counted)").labels(**labels)
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)").labels(**labels)
+        self.encoder_inputs = counter("encoder_inputs", "Images the vision encoder encoded").labels(**labels)
+        self.encoder_embeds = counter("encoder_embeds", "Encoder output rows of the images encoded").labels(**labels)
+        self.encoder_cache_hits = counter(
+            "encoder_cache_hits", "Images a request found in the encoder cache (not encoded again)").labels(**labels)
+        self.encoder_seconds = counter("encoder_seconds", "Seconds the vision encoder ran").labels(**labels)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token").labels(
             **labels)
         self.generation_tokens = counter("generation_tokens", "Generated tokens").labels(**labels)
@@ -259,6 +264,9 @@ class EngineMetrics:
         self._count_up_to(self.num_preemptions, stats.num_preemptions_total)
         self._count_up_to(self.prefix_cache_queries, stats.prefix_cache_queries_total)
         self._count_up_to(self.prefix_cache_hits, stats.prefix_cache_hits_total)
+        self._count_up_to(self.encoder_inputs, stats.encoder_inputs_total)
+        self._count_up_to(self.encoder_embeds, stats.encoder_embeds_total)
+        self._count_up_to(self.encoder_cache_hits, stats.encoder_cache_hits_total)
         tier = stats.kv_tier
         if tier is not None:
             self._count_up_to(self.hicache_hit_tokens, tier.hit_tokens_total)
@@ -315,6 +323,8 @@ class EngineMetrics:
             self.comm_seconds.labels(**labels).inc(rank["comm_s"])
             self.rank_compute_seconds.labels(**labels).inc(rank["compute_s"])
         self.step_duration.observe(record.duration_s)
+        if record.encoder_s:
+            self.encoder_seconds.inc(record.encoder_s)
         for seconds in record.grammar_compile_s:
             self.grammar_compile.observe(seconds)
         if record.grammar_mask_s:

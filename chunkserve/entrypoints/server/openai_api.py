@@ -17,6 +17,7 @@ from chunkserve.core.messages import TokenLogprobs
 from chunkserve.engine.async_llm import RequestStream
 from chunkserve.engine.beam_search import beam_search_async
 from chunkserve.engine.beam_search import completion as beam_completion
+from chunkserve.engine.input_processor import MultiModalPrompt
 from chunkserve.engine.outputs import RequestMetrics, RequestOutput, logprob_dict
 from chunkserve.entrypoints.server.access import AccessRouters
 from chunkserve.entrypoints.server.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -160,6 +161,8 @@ class OpenAIServing(Serving):
         if calls.choice == "none" and self.options.exclude_tools_when_tool_choice_none:
             options["tools"] = None
         prompt = await self.engine.apply_chat_template(messages, **options)
+        if body.use_beam_search and isinstance(prompt, MultiModalPrompt):
+            raise InvalidRequestError("use_beam_search does not take images", "use_beam_search")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         streams = [] if body.use_beam_search else await self._add_all(

@@ -199,9 +199,22 @@ class MessageToolCall(Body):
     function: FunctionCall
 
 
-class ContentPart(Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
+
+
+class ImageURL(Body):
+    url: str  # data:image/...;base64, file:// (under --allowed-local-media-path) or http(s) (--allowed-media-domains)
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; the model's processor decides the resolution
+
+
+class ImageURLPart(Body):
+    type: Literal["image_url"]
+    image_url: ImageURL | str  # vLLM also takes the URL itself
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 
 class ChatMessage(Body):
@@ -212,10 +225,14 @@ class ChatMessage(Body):
     tool_call_id: str | None = None  # a tool message: the call it answers
 
     def as_template_message(self) -> dict[str, Any]:
-        """The message as chat templates take it: content a string (null: empty), and the tool
-        fields only where given (the input processor turns calls' arguments into dicts)."""
-        content = self.content
-        if isinstance(content, list):
+        """The message as chat templates take it: content a string (null: empty; text parts
+        joined), or, where it has images, its parts in order (the input processor takes the
+        images out), and the tool fields only where given (the input processor turns calls'
+        arguments into dicts)."""
+        content: Any = self.content
+        if isinstance(content, list) and any(isinstance(part, ImageURLPart) for part in content):
+            content = [part.model_dump(exclude_none=True) for part in content]
+        elif isinstance(content, list):
             content = "".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:

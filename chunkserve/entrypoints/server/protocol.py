@@ -77,8 +77,8 @@ REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "prediction": ("predicted outputs are not supported", absent),
     "web_search_options": ("web search is not supported", absent),
     "logits_processors": ("custom logits processors are not supported", absent),
-    "mm_processor_kwargs": ("multimodal inputs are not supported", absent),
-    "multi_modal_data": ("multimodal inputs are not supported", absent),
+    "mm_processor_kwargs": ("the model's processor runs with the model folder's settings", absent),
+    "multi_modal_data": ("send images as image_url content parts of /v1/chat/completions messages", absent),
     "lora_path": ("LoRA adapters are not supported", absent),
 }
 # Fields vLLM accepts and does nothing with on its OpenAI server: accepted here too, unlogged.

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from chunkserve.core.disagg.protocol import TransferParams
 from chunkserve.engine.async_llm import AsyncLLM, RequestStream
+from chunkserve.engine.input_processor import MultiModalPrompt
 from chunkserve.engine.outputs import RequestOutput
 from chunkserve.entrypoints.args import ServerArgs
 from chunkserve.entrypoints.server.metrics import EngineMetrics
@@ -92,7 +93,7 @@ class Serving:
                                        "retry when the server is idle", "conflict_error")
         return {}
 
-    async def _add_all(self, request_id: str, prompts: list[str | TokenIds], params: SamplingParams,
+    async def _add_all(self, request_id: str, prompts: list[str | TokenIds | MultiModalPrompt], params: SamplingParams,
                        priority: int, cache_salt: str | None, field_names: dict[str, str] | None = None,
                        kv_transfer_params: TransferParams | None = None, n: int = 1,
                        add_special_tokens: bool = True) -> list[RequestStream]:
@@ -138,10 +139,18 @@ class Serving:
         for stream in streams:
             stream.abort()
 
-    def _log_request(self, request_id: str, prompts: list[str | TokenIds], params: SamplingParams) -> None:
-        """--enable-log-requests: what arrived (prompts cut at --max-log-len characters or ids)."""
+    def _log_request(self, request_id: str, prompts: list[str | TokenIds | MultiModalPrompt],
+                     params: SamplingParams) -> None:
+        """--enable-log-requests: what arrived (prompts cut at --max-log-len characters or ids;
+        a prompt with images as its token ids and its images' identifiers)."""
         cut = self.options.max_log_len
-        shown = [p if cut is None else p[:cut] for p in prompts]
+        shown: list[Any] = []
+        for prompt in prompts:
+            if isinstance(prompt, MultiModalPrompt):
+                ids = prompt.token_ids if cut is None else prompt.token_ids[:cut]
+                shown.append({"token_ids": ids, "images": [f.identifier for f in prompt.features]})
+            else:
+                shown.append(prompt if cut is None else prompt[:cut])
         logger.info("request %s: prompts %r, params %s", request_id, shown, params)
 
 

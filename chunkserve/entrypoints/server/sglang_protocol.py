@@ -39,10 +39,11 @@ GENERATE_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"
                   "prompt_logprobs": "logprob_start_len"}
 # SGLang's /generate fields (of the body or its sampling_params) that ask for what chunkserve cannot do: a 400
 # naming them unless the value asks for nothing. protocol.REFUSED_FIELDS applies too (lora_path).
-_NO_MULTIMODAL = "multimodal inputs are not supported"
+_NO_MULTIMODAL = "multimodal inputs are not supported on /generate"
+_IMAGES_BY_CHAT = "images are not taken on /generate: send them as image_url content parts to /v1/chat/completions"
 GENERATE_REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "input_embeds": ("prompt embeddings are not supported: send text or input_ids", absent),
-    "image_data": (_NO_MULTIMODAL, absent), "video_data": (_NO_MULTIMODAL, absent),
+    "image_data": (_IMAGES_BY_CHAT, absent), "video_data": (_NO_MULTIMODAL, absent),
     "audio_data": (_NO_MULTIMODAL, absent),
     "lora_id": ("LoRA adapters are not supported", absent),
     "custom_logit_processor": ("custom logit processors are not supported", absent),

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from chunkserve.engine.input_processor import MultiModalPrompt
 from chunkserve.entrypoints.server.access import AccessRouters
 from chunkserve.entrypoints.server.serving import Serving
 from chunkserve.entrypoints.server.vllm_protocol import DetokenizeRequest, TokenizeRequest
@@ -103,9 +104,10 @@ class VLLMServing(Serving):
             if body.prompt is not None:
                 raise InvalidRequestError("give prompt or messages, not both", "prompt")
             self._check_template_trust(body)
-            tokens = await self.engine.apply_chat_template(
+            prompt = await self.engine.apply_chat_template(
                 [m.as_template_message() for m in body.messages],
                 **body.template_options(bool(body.add_special_tokens)))
+            tokens = prompt.token_ids if isinstance(prompt, MultiModalPrompt) else prompt  # images expanded
         elif body.prompt is not None:
             tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         else:

@@ -415,7 +415,7 @@ def test_openapi_documents_the_hand_parsed_request_bodies():
         assert body["required"] is True
         assert resolve(document, body["content"]["application/json"]["schema"]["$ref"])["title"] == model.__name__
     schemas = document["components"]["schemas"]
-    nested = {"ChatMessage", "ContentPart", "StreamOptions", "GenerateSamplingParams"}
+    nested = {"ChatMessage", "TextPart", "ImageURLPart", "StreamOptions", "GenerateSamplingParams"}
     assert nested | {"HTTPValidationError"} <= set(schemas)
     refs = list(refs_in(document))
     assert refs and all(resolve(document, ref) for ref in refs)

@@ -1,0 +1,1 @@
+"""Vision-language models: our Llama decoder fed by transformers' own vision towers."""
