@@ -470,42 +470,45 @@ def wrong_value_cases() -> list[tuple[str, str, Any]]:
 
 
 def test_wrong_types_and_non_finite_numbers_get_400_naming_the_field(http, sanity):
-    """Not random: about 400 requests, each a valid body but for one field. A string, a bool
-    or a float where an integer goes, NaN or Infinity or 1e400 anywhere, is refused with 400
-    (not coerced), and the error's param is the field the client sent."""
-    failures = []
-    for path, field, value in wrong_value_cases():
-        body = json.loads(json.dumps(BASES[path]))
-        nested = path == "/generate" and field != "input_ids"
-        if nested:
-            body["sampling_params"][field] = value
-        else:
-            body.pop("text", None) if field == "input_ids" else None
-            body[field] = value
-        content = dump(body)
-        try:
-            status, data, _ = send(http, path, content.encode())
-        except httpx.TransportError as error:
-            failures.append(f"{path} {content}: the connection failed: {error!r}")
-            continue
-        if status != 400:
-            shown = f": {data[:140]!r}" if status >= 300 else " (accepted)"
-            failures.append(f"{path} {field}={dump(value)}: HTTP {status}{shown}")
-            continue
-        problem = error_shape_problem(status, data)
-        if problem:
-            failures.append(f"{path} {field}={dump(value)}: {problem}")
-            continue
-        error = json.loads(data)["error"]
-        param = error["param"] or ""
-        accepted = {field, f"sampling_params.{field}"} | ({"prompt"} if field == "input_ids" else set())
-        # As for messages.0.role, a nested field's param may be its top-level field if the message names it.
-        nested_ok = nested and param == "sampling_params" and field in error["message"]
-        if param not in accepted and not nested_ok:
-            failures.append(f"{path} {field}={dump(value)}: the error names {param!r}: {error['message'][:120]}")
+    """Not random: about 400 requests (GRID_CLIENTS at a time), each a valid body but for one
+    field. A string, a bool or a float where an integer goes, NaN or Infinity or 1e400 anywhere,
+    is refused with 400 (not coerced), and the error's param is the field the client sent."""
+    cases = wrong_value_cases()
+    with ThreadPoolExecutor(GRID_CLIENTS) as pool:
+        failures = [f for f in pool.map(lambda case: wrong_value_failure(http, *case), cases) if f is not None]
     sanity.check()
-    assert not failures, f"{len(failures)} of {len(wrong_value_cases())} bad values were not refused " \
+    assert not failures, f"{len(failures)} of {len(cases)} bad values were not refused " \
                          f"as they should be:\n" + "\n".join(failures[:60])
+
+
+def wrong_value_failure(http: httpx.Client, path: str, field: str, value: Any) -> str | None:
+    """What is wrong with the answer to the body of `path` with `field` set to `value`, if anything."""
+    body = json.loads(json.dumps(BASES[path]))
+    nested = path == "/generate" and field != "input_ids"
+    if nested:
+        body["sampling_params"][field] = value
+    else:
+        body.pop("text", None) if field == "input_ids" else None
+        body[field] = value
+    content = dump(body)
+    try:
+        status, data, _ = send(http, path, content.encode())
+    except httpx.TransportError as error:
+        return f"{path} {content}: the connection failed: {error!r}"
+    if status != 400:
+        shown = f": {data[:140]!r}" if status >= 300 else " (accepted)"
+        return f"{path} {field}={dump(value)}: HTTP {status}{shown}"
+    problem = error_shape_problem(status, data)
+    if problem:
+        return f"{path} {field}={dump(value)}: {problem}"
+    error = json.loads(data)["error"]
+    param = error["param"] or ""
+    accepted = {field, f"sampling_params.{field}"} | ({"prompt"} if field == "input_ids" else set())
+    # As for messages.0.role, a nested field's param may be its top-level field if the message names it.
+    nested_ok = nested and param == "sampling_params" and field in error["message"]
+    if param not in accepted and not nested_ok:
+        return f"{path} {field}={dump(value)}: the error names {param!r}: {error['message'][:120]}"
+    return None
 
 
 # ----- the issue's hostile requests next to a bystander stream ---------------------------------
