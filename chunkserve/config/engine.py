@@ -17,6 +17,7 @@ from chunkserve.config.cpu_threads import parse_threads_bind, threads_bind_setti
 from chunkserve.config.disaggregation import DisaggregationConfig
 from chunkserve.config.fields import arg, flag_of, human_readable_int
 from chunkserve.config.kv_connector import KVConnectorConfig
+from chunkserve.config.kv_events import KVEventsConfig
 from chunkserve.config.kv_tier import KVTierConfig
 from chunkserve.config.limits import RequestLimits
 from chunkserve.config.multimodal import MultiModalConfig
@@ -44,6 +45,7 @@ class EngineConfig:
     kv_connector: KVConnectorConfig
     structured_outputs: StructuredOutputsConfig
     request_limits: RequestLimits
+    kv_events: KVEventsConfig | None
 
 
 @dataclass
@@ -156,6 +158,12 @@ class EngineArgs:
         "\"disable_any_whitespace\": true (compact JSON), \"disable_additional_properties\": true (a schema's "
         "objects take only the properties it names): defaults for every request"
     )
+    kv_events_config: str | dict | None = arg(
+        None, "publish what the prefix cache holds for KV-aware routers (Dynamo, llm-d, SGLang's gateway), as JSON "
+        "(vLLM's shape and wire format): '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\"}' (also buffer_steps, hwm, "
+        "max_queue_size); docs/FLEET.md"
+    )
     seed: int = arg(0, "seed of the sampler for requests that give none", aliases=("--random-seed",))
     max_prompt_chars: int | None = flag_of(RequestLimits, "max_prompt_chars", default=None)
     max_stop_sequences: int = flag_of(RequestLimits, "max_stop_sequences")
@@ -189,6 +197,9 @@ class EngineArgs:
                   "enable_hierarchical_cache yet (their KV connectors move one rank's KV pool)")
         self.structured_outputs()
         self.multimodal_config()
+        kv_events = self.kv_events()
+        if kv_events is not None and kv_events.publishes and not cache.enable_prefix_caching:
+            _fail("kv_events_config needs enable_prefix_caching: the events name blocks by their prefix-cache hash")
         speculative = self.speculative()
         if speculative is not None and parallel.pipeline_parallel_size > 1:
             _fail("speculative decoding is not supported with pipeline parallelism (as in vLLM): a request's drafts "
@@ -226,6 +237,9 @@ class EngineArgs:
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    def kv_events(self) -> KVEventsConfig | None:
+        return KVEventsConfig.parse(self.kv_events_config)
 
     def structured_outputs(self) -> StructuredOutputsConfig:
         return StructuredOutputsConfig.parse(self.structured_outputs_config)
@@ -330,6 +344,7 @@ class EngineArgs:
             max_steps_in_flight=self.parallel_config().max_steps_in_flight,
             tokens_from_steps=self.tokens_from_steps,
             speculative=self.speculative(),
+            enable_kv_cache_events=(kv_events := self.kv_events()) is not None and kv_events.publishes,
             max_num_batched_encoder_embeds=self.max_num_batched_encoder_embeds,
             encoder_cache_size=self.encoder_cache_size,
             disable_chunked_mm_input=self.disable_chunked_mm_input,
@@ -346,6 +361,7 @@ class EngineArgs:
             kv_connector=self.kv_connector_config(),
             structured_outputs=self.structured_outputs(),
             request_limits=self.request_limits(max_model_len),
+            kv_events=self.kv_events(),
         )
 
 

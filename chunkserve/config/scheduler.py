@@ -122,6 +122,8 @@ class SchedulerConfig:
     # keeping what they sampled: with several ranks, only one samples
     tokens_from_steps: bool = False
     speculative: SpeculativeConfig | None = None
+    # the KV cache manager logs what the prefix cache gains and loses, for the engine to publish (KV events)
+    enable_kv_cache_events: bool = False
     max_num_batched_encoder_embeds: int | None = arg(
         None, "most encoder output rows (image embeddings) the vision encoder computes in one step (default: "
         "max_num_batched_tokens; never below the model's largest item)", type=human_readable_int

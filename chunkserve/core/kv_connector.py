@@ -104,6 +104,11 @@ class KVConnectorScheduler:
     def registry_sizes(self) -> dict[str, int]:
         return {}
 
+    def stored_block_hashes(self) -> dict[str, list[bytes]]:
+        """The blocks this connector holds outside the pool, by KV-event medium (core/kv/events.py):
+        what its KV events have announced and not removed."""
+        return {}
+
 
 class KVConnectorWorker:
     """The worker's side of a connector; every verb defaults to moving nothing."""

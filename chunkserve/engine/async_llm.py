@@ -241,6 +241,10 @@ class AsyncLLM:
         """The engine core's self-check (EngineCore.check): ok when idle and consistent."""
         return await self._call_core("check")
 
+    async def cached_blocks(self) -> dict:
+        """What the caches hold now, as KV events name it (EngineCore.cached_blocks)."""
+        return await self._call_core("cached_blocks")
+
     async def _call_core(self, method: str) -> Any:
         loop = asyncio.get_running_loop()
         done, ticket = loop.create_future(), next(self._tickets)

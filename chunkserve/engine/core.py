@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import resolve_model
+from chunkserve.core.kv.events import MEDIUM_POOL, external_block_hash
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv.snapshot import RequestSnapshot, SnapshotBlock
 from chunkserve.core.kv_connector import KVConnectorScheduler
@@ -30,6 +31,7 @@ from chunkserve.core.stats import SchedulerStats, hit_rate
 from chunkserve.core.step_predictor import StepShape, StepTimePredictor, observed_step_seconds
 from chunkserve.core.structured.manager import StructuredOutputManager
 from chunkserve.engine.frontend import multimodal_processor
+from chunkserve.engine.kv_events import KVEventPublisher
 from chunkserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from chunkserve.engine.outputs import StepRecord
 from chunkserve.engine.triage import StepFailureTriage
@@ -74,9 +76,11 @@ class EngineCore:
         worker side from the same row)."""
         self.config = config
         self.executor = executor or make_executor(config)
+        self.kv_events: KVEventPublisher | None = None
         try:
             self._start(config, kv_connector)
         except BaseException:  # the executor's worker processes must not outlive a core that never started
+            self._close_kv_events()
             self.executor.shutdown()
             raise
 
@@ -95,6 +99,9 @@ class EngineCore:
         self.structured = StructuredOutputManager(self._load_tokenizer, self.model_config.vocab_size)
         self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector,
                                    structured=self.structured)
+        kv_events = self.engine_config.kv_events
+        self.kv_events = KVEventPublisher(kv_events) if kv_events is not None and kv_events.publishes else None
+        self._publish_kv_events()  # (the disk tier's files found at start)
         self.triage = StepFailureTriage()
         self._test_step_delay_s = float(os.environ.get(TEST_STEP_DELAY_ENV, "0") or 0) / 1000
         self.step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
@@ -243,6 +250,8 @@ class EngineCore:
         except BaseException:  # its blocks were never filled: they must not stay, let alone be cached
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
             raise
+        finally:
+            self._publish_kv_events()
 
     def _refuse_snapshots_when_split(self) -> None:
         if self.config.parallel_config().world_size > 1:
@@ -262,7 +271,9 @@ class EngineCore:
         """Forget every cached prefix: the pool's and, with the disk KV tier
         (`enable_hierarchical_cache`), the tier's too: its files of this model are removed.
         Refused (False) while any request is unfinished."""
-        return self.scheduler.reset_prefix_cache()
+        reset = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
 
     def check(self) -> dict:
         """The engine's self-check: `ok` when its state is consistent and it is idle, with
@@ -277,13 +288,31 @@ class EngineCore:
         idle = report["num_requests"] == 0 and pool.num_free_blocks == pool.num_blocks
         return {"ok": not problems and idle, "problems": problems, **report}
 
+    def cached_blocks(self) -> dict:
+        """Every block the caches hold now, by medium, named as KV events name them: what a
+        router's index of this engine's events must equal once the engine is quiet."""
+        blocks = {MEDIUM_POOL: [h for h, _ in self.scheduler.kv.pool.cached_blocks()],
+                  **self.scheduler.connector.stored_block_hashes()}
+        return {"block_size": self.config.block_size,
+                "blocks": {medium: [external_block_hash(h) for h in hashes] for medium, hashes in blocks.items()}}
+
     # ----- the step -----------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs | None:
         """One step; None when nothing was scheduled (unless the KV connector reported progress:
         then no outputs and no record, but fresh stats). A step the executor fails is void and
         fails only the requests found to cause it (triage.py); the others run again. Requests the
-        scheduler ended before the step (grammars that failed to compile) come with its outputs."""
+        scheduler ended before the step (grammars that failed to compile) come with its outputs.
+        What the step changed in the prefix cache is published after it (KV events)."""
+        outputs = self._step()
+        self._publish_kv_events()
+        return outputs
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.kv.events.take())
+
+    def _step(self) -> EngineCoreOutputs | None:
         if self.scheduler_config.max_steps_in_flight > 1:
             return self._step_pipelined()
         timing = StepTiming.start_now(self.predictor)
@@ -496,7 +525,14 @@ class EngineCore:
                 self.flush_kv_connector()
         except Exception:
             logger.exception("settling the KV connector at shutdown failed")
+        self._publish_kv_events()
+        self._close_kv_events()
         self.executor.shutdown()
+
+    def _close_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
 
 def make_executor(config: EngineArgs) -> Executor:

@@ -73,7 +73,7 @@ class CallCore:
     """Run one of the core's queries between steps; answered by a `CoreCallResult`."""
 
     ticket: int  # echoed in the answer
-    method: Literal["reset_prefix_cache", "check"]
+    method: Literal["reset_prefix_cache", "check", "cached_blocks"]
 
 
 @dataclass

@@ -12,14 +12,19 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
+from chunkserve.core.kv.events import KVEventLog
+
 
 class BlockPool:
     """Blocks `0..num_blocks-1`. Allocation takes free blocks holding no cached prefix first,
     then the least recently freed cached ones."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventLog | None = None) -> None:
+        """`events`: told each eviction and each reset (KV events for routers); what becomes
+        cached is told by the KV cache manager, which knows the tokens."""
         assert num_blocks > 0, "the KV pool needs at least one block"
         self.num_blocks = num_blocks
+        self.events = events
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self._ref_counts = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
@@ -81,15 +86,17 @@ class BlockPool:
                 if self._hash_of[block_id] is None:
                     self._free.move_to_end(block_id, last=False)
 
-    def cache(self, block_id: int, block_hash: bytes) -> None:
-        """Make a full, computed block findable by its hash. A block already cached, or a
-        hash another block already holds (two requests computed the same prefix at once),
-        is left alone: the duplicate is an ordinary block and is reused when freed."""
-        if self._hash_of[block_id] is None and block_hash not in self._cached:
-            self._hash_of[block_id] = block_hash
-            self._cached[block_hash] = block_id
-            if self.on_cache is not None:
-                self.on_cache(block_id, block_hash)
+    def cache(self, block_id: int, block_hash: bytes) -> bool:
+        """Make a full, computed block findable by its hash; whether it became cached. A block
+        already cached, or a hash another block already holds (two requests computed the same
+        prefix at once), is left alone: the duplicate is an ordinary block and is reused when freed."""
+        if self._hash_of[block_id] is not None or block_hash in self._cached:
+            return False
+        self._hash_of[block_id] = block_hash
+        self._cached[block_hash] = block_id
+        if self.on_cache is not None:
+            self.on_cache(block_id, block_hash)
+        return True
 
     def check(self, holders: Counter[int]) -> list[str]:
         """What is inconsistent, given how many holders each block has: its reference count
@@ -123,6 +130,8 @@ class BlockPool:
         for block_id in self._cached.values():
             self._hash_of[block_id] = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def _evict(self, block_id: int) -> None:
@@ -131,5 +140,7 @@ class BlockPool:
             del self._cached[block_hash]
             self._hash_of[block_id] = None
             self.num_evictions += 1
+            if self.events is not None:
+                self.events.removed(block_hash)
             if self.on_evict is not None:
                 self.on_evict(block_id, block_hash)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from chunkserve.config.kv_connector import KVConnectorConfig
 from chunkserve.config.kv_tier import HICACHE_WRITE_POLICIES, KVTierConfig
 from chunkserve.core.kv.disk_store import BlockFiles, default_storage_dir, max_bytes_of
+from chunkserve.core.kv.events import MEDIUM_DISK
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv_connector import KVConnectorScheduler
 from chunkserve.core.request import Request
@@ -124,7 +125,11 @@ class DiskTierScheduler(KVConnectorScheduler):
     # ----- the scheduler's verbs ------------------------------------------------------------
 
     def bind_kv_cache(self, kv) -> None:
+        """Also announces the files found at start, when KV events are on."""
         self.kv = kv
+        if kv.events is not None:
+            for block_hash in self._index:
+                kv.events.stored_on(MEDIUM_DISK, block_hash)
         if self.write_policy == "write_back":
             kv.pool.on_evict = self._save_later
         else:
@@ -185,14 +190,18 @@ class DiskTierScheduler(KVConnectorScheduler):
             size = self._index.pop(block_hash, None)
             if size is not None:
                 self._stored_bytes -= size
+                self._tell_removed(block_hash)
         for block_hash, num_bytes, seconds in reversed(output.stored):  # a prefix's head is evicted after its tail
             self._unreserve(block_hash)
             if block_hash in self._doomed:  # written after the tier was reset
                 self._doomed.discard(block_hash)
                 self.files.remove(block_hash)
                 continue
-            self._stored_bytes += num_bytes - self._index.pop(block_hash, 0)
+            replaced = self._index.pop(block_hash, None)
+            self._stored_bytes += num_bytes - (replaced or 0)
             self._index[block_hash] = num_bytes
+            if replaced is None and self.kv is not None and self.kv.events is not None:
+                self.kv.events.stored_on(MEDIUM_DISK, block_hash)
             self._store_bytes += num_bytes
             self._store_seconds += seconds
         for block_hash in output.failed_stores:
@@ -219,6 +228,8 @@ class DiskTierScheduler(KVConnectorScheduler):
         removed when they land)."""
         self._to_save.clear()
         self._doomed.update(self._saving)
+        for block_hash in self._index:
+            self._tell_removed(block_hash)
         self._index.clear()
         self._stored_bytes = 0
         self.files.remove_all()
@@ -242,6 +253,9 @@ class DiskTierScheduler(KVConnectorScheduler):
     def stored_hashes(self) -> list[bytes]:
         """Least recently used first."""
         return list(self._index)
+
+    def stored_block_hashes(self) -> dict[str, list[bytes]]:
+        return {MEDIUM_DISK: self.stored_hashes()}
 
     def _save_later(self, block_id: int, block_hash: bytes) -> None:
         if block_hash not in self._index and block_hash not in self._saving:
@@ -267,6 +281,11 @@ class DiskTierScheduler(KVConnectorScheduler):
             block_hash, size = self._index.popitem(last=False)
             self._stored_bytes -= size
             self.files.remove(block_hash)
+            self._tell_removed(block_hash)
+
+    def _tell_removed(self, block_hash: bytes) -> None:
+        if self.kv is not None and self.kv.events is not None:
+            self.kv.events.removed(block_hash, MEDIUM_DISK)
 
 
 def block_files_of(config: KVTierConfig, fingerprint: ModelFingerprint) -> BlockFiles:

@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from chunkserve.core.kv.block_pool import BlockPool
+from chunkserve.core.kv.events import KVEventLog
 from chunkserve.core.multimodal import MultiModalFeature
 from chunkserve.core.request import Request
 
@@ -65,10 +66,13 @@ class KVCacheManager:
     """Owns every request's block table. The scheduler asks it for room before it
     schedules tokens; the model runner only ever sees copies of the tables."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 events: KVEventLog | None = None) -> None:
+        """`events`: where what the prefix cache gains and loses is told (KV events), if anywhere."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks)
+        self.events = events
+        self.pool = BlockPool(num_blocks, events)
         self._block_tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of each table already in the cache
         self._block_hashes: dict[str, list[bytes]] = {}  # of each request's full blocks, kept until it finishes
@@ -144,9 +148,35 @@ class KVCacheManager:
             return
         table = self._block_tables[request.request_id]
         hashes = self.block_hashes_for(request, num_full)
-        for i in range(first, num_full):
-            self.pool.cache(table[i], hashes[i])
+        newly_cached = [i for i in range(first, num_full) if self.pool.cache(table[i], hashes[i])]
         self._num_registered[request.request_id] = num_full
+        if self.events is not None and newly_cached:
+            self._tell_stored(request, hashes, newly_cached)
+
+    def _tell_stored(self, request: Request, hashes: list[bytes], indices: list[int]) -> None:
+        """One `BlockStored` per run of consecutive newly cached blocks (a block another request
+        had cached first breaks a run: it is not this request's to announce)."""
+        size, tokens = self.block_size, request.all_token_ids
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            start, end = run[0], run[-1] + 1
+            self.events.stored(hashes[start:end], hashes[start - 1] if start else None,
+                               list(tokens[start * size : end * size]),
+                               extra_keys=[self._event_extra_keys(request, i) for i in run])
+
+    def _event_extra_keys(self, request: Request, index: int) -> tuple | None:
+        """What block `index`'s hash includes besides its tokens, as vLLM's events carry it:
+        (image hash, offset) pairs, then the cache salt on a sequence's first block."""
+        start, end = index * self.block_size, (index + 1) * self.block_size
+        keys: list = [(f.identifier, max(start - f.offset, 0)) for f in request.mm_features if f.overlaps(start, end)]
+        if index == 0 and request.cache_salt is not None:
+            keys.append(request.cache_salt)
+        return tuple(keys) or None
 
     def block_hashes(self, request_id: str) -> list[bytes]:
         """The hash chain of the request's full blocks computed so far."""

@@ -59,6 +59,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from chunkserve.config.scheduler import SchedulerConfig
+from chunkserve.core.kv.events import KVEventLog
 from chunkserve.core.kv.kv_cache_manager import KVCacheManager
 from chunkserve.core.kv_connector import KVConnectorScheduler, NoOpConnector
 from chunkserve.core.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -94,7 +95,8 @@ class Scheduler:
         self.grammars = Grammars(structured)
         self.predictor = predictor
         self._clock = clock
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 KVEventLog(config.block_size) if config.enable_kv_cache_events else None)
         self.connector = kv_connector or NoOpConnector()
         self.connector.bind_kv_cache(self.kv)
         self.encoder = EncoderInputs(config)  # images: the encoder's work per chunk, the encoder cache

@@ -94,6 +94,13 @@ async def debug_check(raw: Request):
     return await vllm_serving(raw).engine.check()
 
 
+@routers.admin.get("/debug/kv_cache_blocks")
+async def debug_kv_cache_blocks(raw: Request):
+    """Every cached block by medium (`GPU`: the KV pool; `STORAGE`: the disk tier), as KV events
+    name them (--kv-events-config): what a KV-aware router's index of this server must hold."""
+    return await vllm_serving(raw).engine.cached_blocks()
+
+
 class VLLMServing(Serving):
     """/tokenize and /detokenize (vLLM's bodies and answers)."""
 

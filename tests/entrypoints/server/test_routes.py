@@ -23,7 +23,8 @@ from chunkserve.entrypoints.server.app import build_app
 API_KEY = "user-key"
 ADMIN_KEY = "admin-key"
 OPEN = {"/health", "/server_info", "/ping", "/version", "/metrics"}  # what a load balancer or Prometheus polls
-ADMIN = {"/reset_prefix_cache", "/flush_cache", "/debug/steps", "/debug/check", "/export_request", "/import_request"}
+ADMIN = {"/reset_prefix_cache", "/flush_cache", "/debug/steps", "/debug/check", "/debug/kv_cache_blocks",
+         "/export_request", "/import_request"}
 
 
 def stand_in_engine() -> types.SimpleNamespace:
