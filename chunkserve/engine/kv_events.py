@@ -44,6 +44,7 @@ def wire_form(event: KVCacheEvent) -> dict:
         if event.extra_keys is not None:
             fields["extra_keys"] = event.extra_keys
         fields["group_idx"] = 0
+        fields["kv_cache_spec_kind"] = "full_attention"  # (every layer's KV is full attention here)
         return fields
     if isinstance(event, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium, "group_idx": 0}

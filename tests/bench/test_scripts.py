@@ -52,6 +52,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "engine_speed": (["--smoke", "--model", "{tiny}"], "long-prompt interference"),
     "step_message_bytes": (["--smoke", "--model", "{tiny}"], "| core -> workers |"),
     "trace_overhead": (["--smoke"], "trace cost per step"),
+    "kv_events_overhead": (["--smoke", "--model", "{tiny}"], "publish cost per step"),
     "parallel": (["--smoke", "--model", "{tiny}"], "gloo on this host"),
     "grammar_backends": (["--smoke", "--model", "{tiny}"], "| json small | llguidance |"),
     "multimodal": (["--smoke", "--model-dir", "{tmp}/model", "--json", "{tmp}/multimodal.json"],
