@@ -54,6 +54,12 @@ class ServerArgs:
               "(default: $CHUNKSERVE_API_KEY, else $VLLM_API_KEY)"
     )
     protect_metrics: bool = arg(False, "require the API key on /metrics too (open by default, as in vLLM)")
+    metrics_compat: str | None = arg(
+        None, "vllm: /metrics also exports the load and cache series routers scrape under vLLM's names "
+              "(vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc, "
+              "vllm:gpu_cache_usage_perc, vllm:cache_config_info, vllm:prefix_cache_queries/hits), so that SMG, "
+              "vllm-router and llm-d read this server's load as a vLLM worker's", choices=("vllm",)
+    )
     admin_api_key: str | None = arg(
         None, "enables the admin endpoints (/reset_prefix_cache, /debug/steps, /debug/check), which then need "
               "'Authorization: Bearer KEY'; without it they are off (default: $CHUNKSERVE_ADMIN_API_KEY)"
