@@ -51,13 +51,24 @@ def idle(*servers: Server, timeout_s: float = 30.0) -> None:
             time.sleep(0.1)
 
 
-def assert_outputs_equal_the_monolithic_server(mono: Server, post: Callable[[str, dict], httpx.Response]) -> None:
+def text_of(server: Server, token_ids: list[int]) -> str:
+    """`token_ids` as text (the server's /detokenize), for routers that take only text prompts."""
+    answer = httpx.post(server.base_url + "/detokenize", json={"tokens": token_ids}, headers=HEADERS, timeout=60)
+    return answer.json()["prompt"]
+
+
+def assert_outputs_equal_the_monolithic_server(mono: Server, post: Callable[[str, dict], httpx.Response],
+                                               text_prompts: bool = False) -> None:
     """Greedy and seeded sampling through a router (`post(path, body)`) give the monolithic
     server's tokens, text and finish reason, logprobs within 1e-5, for prompts around block and
-    budget edges; chat and SGLang's /generate too."""
+    budget edges; chat and SGLang's /generate too. `text_prompts`: the completions' prompts are
+    those token ids as text (their lengths then only near the edges), for a router that refuses
+    token-id prompts."""
     for length in LENGTHS:
         for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 1234 + length}):
-            body = {"prompt": prompt_of(length, length), "max_tokens": 8, "logprobs": 2, **sampling}
+            prompt = prompt_of(length, length)
+            body = {"prompt": text_of(mono, prompt) if text_prompts else prompt, "max_tokens": 8, "logprobs": 2,
+                    **sampling}
             direct = httpx.post(mono.base_url + "/v1/completions", json=body, headers=HEADERS, timeout=180)
             assert_same(direct, post("/v1/completions", body))
     chat = {"messages": [{"role": "user", "content": "Name three rivers of Europe."}], "max_tokens": 24,
