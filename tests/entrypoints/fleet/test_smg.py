@@ -4,12 +4,14 @@ replica does directly, round robin alternates, cache_aware sends a conversation'
 the replica that holds its prefix, and SMG reads each replica's load from its vLLM-named
 gauges (`--metrics-compat vllm`); `--pd-disaggregation` in front of a prefill and a decode
 instance gives the monolithic server's tokens (the equality cases of test_disaggregation.py; their
-completions' prompts as text: SMG 1.13 refuses token-id prompts in /v1/completions).
+completions' prompts as text: SMG 1.13 refuses token-id prompts in /v1/completions) and reads
+the instances' load from their SGLang-named gauges (`--metrics-compat sglang`).
 
 What SMG makes of a chunkserve server: `/v1/models` says owned_by "chunkserve", unknown to it;
 a server that answers `/version` is taken for vLLM (load from `vllm:` gauges, PD by vLLM's
 protocol); a prefill or decode instance does not answer `/version`, so it is taken for SGLang by
-its `/server_info` (PD by SGLang's bootstrap fields, which chunkserve speaks)."""
+its `/server_info` (PD by SGLang's bootstrap fields, which chunkserve speaks; load from `sglang:`
+gauges)."""
 
 from __future__ import annotations
 
@@ -133,10 +135,12 @@ def pd(tmp_path_factory, tiny_gguf):
     smaller), and SMG pairing the two."""
     budget = ("--max-num-batched-tokens", "64")
     bootstrap_port = free_port()
+    sglang_load = ("--metrics-compat", "sglang")
     servers = [start_tiny(tmp_path_factory, tiny_gguf, *budget, name="mono"),
-               start_tiny(tmp_path_factory, tiny_gguf, *budget, "--disaggregation-mode", "prefill",
+               start_tiny(tmp_path_factory, tiny_gguf, *budget, *sglang_load, "--disaggregation-mode", "prefill",
                           "--disaggregation-bootstrap-port", str(bootstrap_port), name="prefill"),
-               start_tiny(tmp_path_factory, tiny_gguf, "--disaggregation-mode", "decode", name="decode")]
+               start_tiny(tmp_path_factory, tiny_gguf, *sglang_load, "--disaggregation-mode", "decode",
+                          name="decode")]
     gateway = None
     try:
         mono, prefill, decode = (wait_until_up(server) for server in servers)
@@ -152,8 +156,8 @@ def pd(tmp_path_factory, tiny_gguf):
 
 def test_pd_disaggregation_through_smg_gives_the_monolithic_servers_tokens(pd):
     mono, prefill, decode, gateway = pd
-    assert {w["worker_type"]: w["runtime_type"] for w in gateway.workers()} == {"prefill": "sglang",
-                                                                                 "decode": "sglang"}
+    workers = gateway.wait_for(lambda found: all(w.get("engine_load") for w in found), "the instances' loads")
+    assert {w["worker_type"]: w["runtime_type"] for w in workers} == {"prefill": "sglang", "decode": "sglang"}
 
     def post(path: str, body: dict) -> httpx.Response:
         return gateway.post(path, {"model": SERVED, **body} if path.startswith("/v1/") else body)
