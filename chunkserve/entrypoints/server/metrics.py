@@ -63,8 +63,8 @@ VLLM_COMPAT_SERIES = {name: f"vllm:{name}" for name in (
     "prefix_cache_queries", "prefix_cache_hits")}
 # SGLang's: SMG's load of an SGLang worker (a prefill or decode instance is one to SMG); token_usage is the fraction of
 # the KV pool's tokens in use, as our kv_cache_usage_perc
-SGLANG_COMPAT_SERIES = {"num_requests_running": "sglang:num_running_reqs", "num_requests_waiting": "sglang:num_queue_reqs",
-                        "kv_cache_usage_perc": "sglang:token_usage"}
+SGLANG_COMPAT_SERIES = {"num_requests_running": "sglang:num_running_reqs",
+                        "num_requests_waiting": "sglang:num_queue_reqs", "kv_cache_usage_perc": "sglang:token_usage"}
 COMPAT_SERIES = {"vllm": VLLM_COMPAT_SERIES, "sglang": SGLANG_COMPAT_SERIES}
 
 
