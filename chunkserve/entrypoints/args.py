@@ -54,6 +54,14 @@ class ServerArgs:
               "(default: $CHUNKSERVE_API_KEY, else $VLLM_API_KEY)"
     )
     protect_metrics: bool = arg(False, "require the API key on /metrics too (open by default, as in vLLM)")
+    metrics_compat: list[str] | None = arg(
+        None, "vllm and/or sglang: /metrics also exports the load series routers scrape under that engine's names "
+              "(vllm: vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc, "
+              "vllm:gpu_cache_usage_perc, vllm:cache_config_info, vllm:prefix_cache_queries/hits; sglang: "
+              "sglang:num_running_reqs, sglang:num_queue_reqs, sglang:token_usage), so that SMG, vllm-router and "
+              "llm-d read this server's load (SMG reads a prefill or decode instance's as SGLang's)",
+        choices=("vllm", "sglang"), nargs="+"
+    )
     admin_api_key: str | None = arg(
         None, "enables the admin endpoints (/reset_prefix_cache, /debug/steps, /debug/check), which then need "
               "'Authorization: Bearer KEY'; without it they are off (default: $CHUNKSERVE_ADMIN_API_KEY)"
@@ -141,6 +149,11 @@ class ServerArgs:
             self.served_model_name = [self.served_model_name]
         if self.served_model_name is not None and not all(name.strip() for name in self.served_model_name):
             raise InvalidRequestError("served_model_name must not be empty")
+        if isinstance(self.metrics_compat, str):  # (given in code or a YAML config rather than on the command line)
+            self.metrics_compat = [self.metrics_compat]
+        unknown = sorted(set(self.metrics_compat or ()) - {"vllm", "sglang"})
+        if unknown:
+            raise InvalidRequestError(f"--metrics-compat takes vllm and/or sglang, got {', '.join(unknown)}")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             value = getattr(self, name)
             if isinstance(value, str):

@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(ServerArgs, serve)
     add_cli_args(EngineArgs, serve)
     add_foreign_flags(serve)
-    router = commands.add_parser("router", help="balance requests over prefill and decode servers (PD disaggregation)")
+    router = commands.add_parser(
+        "router", help="pair requests over prefill and decode servers (PD disaggregation; SMG's `smg launch "
+                       "--pd-disaggregation` does too, with more policies: README, \"Serving a fleet\")")
     add_router_arguments(router)
     bench = commands.add_parser("bench", help="benchmark OpenAI-compatible servers, plot and sweep")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)

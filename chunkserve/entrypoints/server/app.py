@@ -192,7 +192,8 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         listener.close()
         raise
     model_names = server_args.served_model_name or [engine.info.model_name]
-    metrics = EngineMetrics(model_names[0], max_model_len=engine.info.max_model_len, engine_args=engine_args)
+    metrics = EngineMetrics(model_names[0], max_model_len=engine.info.max_model_len, engine_args=engine_args,
+                            metrics_compat=tuple(server_args.metrics_compat or ()))
     trace = _add_observers(engine, metrics, server_args)
     app = build_app(engine, metrics, model_names, server_args, engine_args)
     server = _GracefulServer(_uvicorn_config(app, server_args), engine, server_args.shutdown_timeout)

@@ -8,6 +8,10 @@ frontend process's `process_*` and `python_*` metrics, as vLLM's does.
 `EngineMetrics.observe` is an AsyncLLM step observer: it runs on the thread that receives
 the engine's events after every step (prometheus_client's metrics are thread-safe) and reads only the step record,
 the outputs and the scheduler's stats.
+
+With `--metrics-compat vllm` (and/or `sglang`) the load and cache series that routers scrape (SMG,
+llm-d, vllm-router) are also exported under vLLM's (SGLang's) own names: the same metric objects
+rendered a second time, so the names can never disagree.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.core.stats import SchedulerStats
@@ -48,6 +55,17 @@ _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
 FORWARD_MODES = ("EXTEND", "MIXED", "DECODE")
 FINISH_REASONS = ("stop", "length", "abort")
 DEFAULT_MAX_MODEL_LEN = 32768
+# `--metrics-compat`: our series (by name without the prefix) that routers read, under another engine's names.
+# vLLM's: SMG's load of a vLLM worker (kv_cache/gpu_cache_usage_perc, running, waiting), llm-d's scorers (those and
+# cache_config_info's block_size and num_gpu_blocks), prefix-cache dashboards
+VLLM_COMPAT_SERIES = {name: f"vllm:{name}" for name in (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_cache_usage_perc", "cache_config_info",
+    "prefix_cache_queries", "prefix_cache_hits")}
+# SGLang's: SMG's load of an SGLang worker (a prefill or decode instance is one to SMG); token_usage is the fraction of
+# the KV pool's tokens in use, as our kv_cache_usage_perc
+SGLANG_COMPAT_SERIES = {"num_requests_running": "sglang:num_running_reqs",
+                        "num_requests_waiting": "sglang:num_queue_reqs", "kv_cache_usage_perc": "sglang:token_usage"}
+COMPAT_SERIES = {"vllm": VLLM_COMPAT_SERIES, "sglang": SGLANG_COMPAT_SERIES}
 
 
 def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
@@ -73,22 +91,46 @@ def cache_config_labels(engine_args: EngineArgs) -> dict[str, str]:
     }
 
 
+class _Renamed(Collector):
+    """Other metrics' current samples under other names (`chunkserve:kv_cache_usage_perc` ->
+    `vllm:kv_cache_usage_perc`; a counter's `_total` and `_created` samples follow their family)."""
+
+    def __init__(self, sources: list[tuple[MetricWrapperBase, str]]) -> None:
+        self._sources = sources  # (metric, its other name)
+
+    def collect(self) -> list[Metric]:
+        families = []
+        for source, name in self._sources:
+            for family in source.collect():
+                renamed = Metric(name, family.documentation, family.type)
+                for sample in family.samples:
+                    renamed.add_sample(name + sample.name.removeprefix(family.name), sample.labels, sample.value,
+                                       sample.timestamp, sample.exemplar)
+                families.append(renamed)
+        return families
+
+
 class EngineMetrics:
     def __init__(self, model_name: str, *, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-                 engine_args: EngineArgs | None = None) -> None:
+                 engine_args: EngineArgs | None = None, metrics_compat: tuple[str, ...] = ()) -> None:
         """`max_model_len` bounds the buckets of per-request token counts (as vLLM's);
-        `engine_args` gives `cache_config_info` its labels (without them it has the pool's size only)."""
+        `engine_args` gives `cache_config_info` its labels (without them it has the pool's size only);
+        `metrics_compat`: engines ("vllm", "sglang") whose names COMPAT_SERIES also exports some series under."""
         self.registry = CollectorRegistry()
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=self.registry)
         labels = {"model_name": model_name, "engine": ENGINE_INDEX}
         names = list(labels)
 
+        families: dict[str, MetricWrapperBase] = {}  # by name without the prefix, for metrics_compat
+
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"chunkserve:{name}", doc, names + list(extra), registry=self.registry)
+            families[name] = Counter(f"chunkserve:{name}", doc, names + list(extra), registry=self.registry)
+            return families[name]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"chunkserve:{name}", doc, names, registry=self.registry).labels(**labels)
+            families[name] = Gauge(f"chunkserve:{name}", doc, names, registry=self.registry)
+            return families[name].labels(**labels)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"chunkserve:{name}", doc, names, buckets=buckets, registry=self.registry).labels(**labels)
@@ -107,6 +149,7 @@ class EngineMetrics:
         self.cache_config_info = Gauge(
             "chunkserve:cache_config_info", "The KV cache's configuration as labels (the value is always 1)",
             names + [*self._cache_config, "num_gpu_blocks"], registry=self.registry)
+        families["cache_config_info"] = self.cache_config_info
         self._cache_info_blocks: int | None = None  # the pool size cache_config_info shows
         self.num_preemptions = counter("num_preemptions", "Preemptions (by recompute)").labels(**labels)
         self.prefix_cache_queries = counter(
@@ -243,6 +286,9 @@ class EngineMetrics:
         # request id -> its prompt's samples (n > 1), shared by the server's loop and the engine's output thread
         self._sample_groups: dict[str, _SampleGroup] = {}
         self._groups_lock = threading.Lock()
+        for engine in metrics_compat:
+            self.registry.register(_Renamed([(families[ours], theirs)
+                                             for ours, theirs in COMPAT_SERIES[engine].items()]))
 
     def observe(self, record: StepRecord | None, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
         if record is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import Request
+from fastapi import HTTPException, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -54,7 +54,15 @@ async def load(raw: Request):
 
 
 @routers.open.get("/version")
-async def version():
+async def version(raw: Request):
+    """vLLM's endpoint, which routers take for "a vLLM server": SMG then pairs a prefill and a
+    decode instance by vLLM's protocol (the prefill request alone, then the decode one). A prefill
+    or decode instance speaks SGLang's (bootstrap_room to both at once), so it answers 404 here
+    and SMG, finding /server_info, pairs it as SGLang's; /server_info carries the version."""
+    mode = raw.app.state.engine_args.disaggregation_mode
+    if mode != "null":
+        raise HTTPException(404, f"/version is not served by a {mode} instance: it speaks SGLang's prefill/decode "
+                                 "protocol, not vLLM's, and routers read /version as vLLM's (see /server_info)")
     return {"version": VERSION}
 
 

@@ -29,13 +29,25 @@ from chunkserve.core.kv.layout import KVLayout
 from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.engine.core import TEST_STEP_DELAY_ENV
 from chunkserve.model.loader import load_model_config
-from tests.server_process import API_KEY, Server, free_port, start_command, start_server, stop_server, wait_until_up
+from tests.entrypoints.server.disaggregation_support import (
+    HEADERS,
+    assert_outputs_equal_the_monolithic_server,
+    assert_same,
+    idle,
+    prompt_of,
+)
+from tests.server_process import (
+    Server,
+    free_port,
+    start_command,
+    start_server,
+    stop_server,
+    wait_until_up,
+)
 from tests.tiny_model import STEP_DELAY_MS, tiny_server_flags
 
-HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 BLOCK_SIZE = 16  # the servers' default --block-size
 HEARTBEAT = ("--disaggregation-heartbeat-interval", "0.5", "--disaggregation-heartbeat-max-failures", "3")
-VOCAB_LOW, VOCAB_HIGH = 100, 40000
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive"}
 HELD_BACK_MS = 3000  # the slow prefill instance's delay on every KV message: ample time to hang up or kill first
 
@@ -148,40 +160,6 @@ def kill_instance(server: Server) -> None:
     server.process.wait()
 
 
-def idle(*servers: Server, timeout_s: float = 30.0) -> None:
-    """Every server back to no request and every block free (cached blocks count as free): its
-    /metrics and its self-check agree."""
-    deadline = time.monotonic() + timeout_s
-    for server in servers:
-        while True:
-            report, metrics = server.check(), server.metrics()
-            gauges = [metrics[f"chunkserve:{name}{{}}"] for name in ("num_requests_running", "num_requests_waiting",
-                                                                      "kv_cache_free_blocks", "kv_cache_total_blocks")]
-            if report["ok"] and gauges[:2] == [0, 0] and gauges[2] == gauges[3]:
-                break
-            assert time.monotonic() < deadline, f"{server.base_url} never went idle: {report}"
-            time.sleep(0.1)
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)]
-
-
-def completion(response: httpx.Response) -> tuple[str, list[str], list[float], str]:
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    logprobs = choice["logprobs"]
-    return choice["text"], logprobs["tokens"], logprobs["token_logprobs"], choice["finish_reason"]
-
-
-def assert_same(mono: httpx.Response, pd: httpx.Response) -> None:
-    text, tokens, logprobs, reason = completion(mono)
-    pd_text, pd_tokens, pd_logprobs, pd_reason = completion(pd)
-    assert (pd_text, pd_tokens, pd_reason) == (text, tokens, reason)
-    assert max(abs(a - b) for a, b in zip(logprobs, pd_logprobs)) < 1e-5
-
-
 def decode_steps(server: Server) -> int:
     with server.admin_client() as http:
         return len(http.get("/debug/steps", params={"last": 100_000}).json()["steps"])
@@ -235,29 +213,10 @@ def cluster(tmp_path_factory, model):
             stop_server(server)
 
 
-LENGTHS = [1, 15, 16, 17, 255, 256, 257, 2047]
-
-
 @pytest.mark.parametrize("budget", [64, 256])
 def test_outputs_equal_the_monolithic_server(cluster, budget):
-    """Greedy and seeded sampling through router + prefill + decode give the monolithic server's
-    tokens, text and finish reason, logprobs within 1e-5, for prompts around block and budget edges."""
     pair = cluster[budget]
-    for length in LENGTHS:
-        for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 1234 + length}):
-            body = {"prompt": prompt_of(length, length), "max_tokens": 8, "logprobs": 2, **sampling}
-            mono = httpx.post(pair.mono.base_url + "/v1/completions", json=body, headers=HEADERS, timeout=180)
-            assert_same(mono, pair.router.post("/v1/completions", body))
-    chat = {"messages": [{"role": "user", "content": "Name three rivers of Europe."}], "max_tokens": 24,
-            "temperature": 0, "logprobs": True, "top_logprobs": 2}
-    mono = httpx.post(pair.mono.base_url + "/v1/chat/completions", json=chat, headers=HEADERS, timeout=180).json()
-    pd = pair.router.post("/v1/chat/completions", chat).json()
-    assert pd["choices"][0]["message"] == mono["choices"][0]["message"]
-    assert [t["token"] for t in pd["choices"][0]["logprobs"]["content"]] == [
-        t["token"] for t in mono["choices"][0]["logprobs"]["content"]]
-    generate = {"input_ids": prompt_of(40, 7), "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
-    mono = httpx.post(pair.mono.base_url + "/generate", json=generate, headers=HEADERS, timeout=180).json()
-    assert pair.router.post("/generate", generate).json()["output_ids"] == mono["output_ids"]
+    assert_outputs_equal_the_monolithic_server(pair.mono, pair.router.post)
     idle(pair.prefill, pair.decode)
 
 
@@ -649,3 +608,13 @@ def test_server_info_names_the_role_and_metrics_count_transfers(cluster):
     assert sum(step["kv_transfer_bytes"] for step in steps) > 0
     transfers = metrics["chunkserve:kv_transfer_requests_total{}"]
     assert metrics["chunkserve:kv_transfer_latency_seconds_count{}"] == transfers
+
+
+def test_a_disaggregated_instance_answers_404_to_vllms_version(cluster):
+    """Routers take /version for a vLLM server and pair such instances by vLLM's protocol (SMG:
+    the prefill request alone, then the decode one); these speak SGLang's, which /server_info tells."""
+    pair = cluster[64]
+    for server in (pair.prefill, pair.decode):
+        answer = httpx.get(server.base_url + "/version")
+        assert answer.status_code == 404 and "SGLang's prefill/decode protocol" in answer.json()["error"]["message"]
+    assert httpx.get(pair.mono.base_url + "/version").status_code == 200

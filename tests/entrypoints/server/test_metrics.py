@@ -118,3 +118,43 @@ def test_every_series_carries_the_engine_label_and_the_process_is_described(metr
     assert ours and all(s.labels.get("engine") == "0" and s.labels.get("model_name") == "m" for s in ours)
     names = {family.name for family in families}
     assert {"process_cpu_seconds", "process_resident_memory_bytes", "python_info"} <= names
+
+
+def compat_samples(metrics_compat: tuple[str, ...]) -> tuple[dict, dict]:
+    """After one observation: the chunkserve: samples and the others, each by (name, labels)."""
+    metrics = EngineMetrics("m", engine_args=EngineArgs(block_size=16, num_kv_blocks=64, dtype="float32"),
+                            metrics_compat=metrics_compat)
+    metrics.observe(None, [], SchedulerStats(
+        num_running=3, num_waiting=2, num_preempted_waiting=0, num_free_blocks=48, num_blocks=64,
+        num_preemptions_total=0, prefix_cache_queries_total=40, prefix_cache_hits_total=32))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples
+               if not s.name.endswith("_created")}
+    ours = {key: v for key, v in samples.items() if key[0].startswith("chunkserve:")}
+    return ours, {key: v for key, v in samples.items() if key not in ours and ":" in key[0]}
+
+
+def test_metrics_compat_vllm_exports_the_load_series_under_vllms_names_with_the_same_values():
+    ours, theirs = compat_samples(("vllm",))
+    assert {name for name, _ in theirs} == {
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc", "vllm:cache_config_info", "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total"}
+    assert all(ours[(name.replace("vllm:", "chunkserve:"), labels)] == v for (name, labels), v in theirs.items())
+    by_name = {name: (dict(labels), v) for (name, labels), v in theirs.items()}
+    assert by_name["vllm:num_requests_running"][1] == 3 and by_name["vllm:num_requests_waiting"][1] == 2
+    assert by_name["vllm:kv_cache_usage_perc"][1] == 0.25 and by_name["vllm:prefix_cache_hits_total"][1] == 32
+    info = by_name["vllm:cache_config_info"][0]
+    assert (info["block_size"], info["num_gpu_blocks"], info["model_name"]) == ("16", "64", "m")
+
+
+def test_metrics_compat_sglang_exports_the_load_series_under_sglangs_names():
+    _, theirs = compat_samples(("sglang",))
+    assert {name: v for (name, _), v in theirs.items()} == {
+        "sglang:num_running_reqs": 3, "sglang:num_queue_reqs": 2, "sglang:token_usage": 0.25}
+
+
+def test_without_metrics_compat_no_other_engines_series(metrics):
+    metrics.observe(None, [], stats())
+    text = metrics.render().decode()
+    assert "vllm:" not in text and "sglang:" not in text
