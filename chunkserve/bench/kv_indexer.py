@@ -41,27 +41,21 @@ def indexer_command(threads: int = 1) -> list[str]:
     return [sys.executable, "-m", "dynamo.indexer", "--threads", str(threads)]
 
 
-class KVIndexer:
-    """One running indexer, with the replicas registered on it (instance id -> endpoints)."""
+class IndexerClient:
+    """Talks to a running indexer at `url`: registers replicas, reads its index, asks overlaps."""
 
-    def __init__(self, log_path: str, cpus: str | None = None, port: int | None = None) -> None:
-        self.service = Service(indexer_command(), log_path, cpus=cpus, port=port, label="dynamo.indexer")
-        self.service.wait_healthy(show_log=True)
-        self.http = httpx.Client(base_url=self.service.url, timeout=REQUEST_TIMEOUT_S)
-        self.block_size: int | None = None
+    def __init__(self, url: str, block_size: int) -> None:
+        self.http = httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S)
+        self.block_size = block_size
 
-    @property
-    def port(self) -> int:
-        return self.service.port
-
-    def register(self, instance_id: int, endpoint: str, replay_endpoint: str | None, block_size: int) -> None:
+    def register(self, instance_id: int, endpoint: str, replay_endpoint: str | None) -> None:
         """Follow a replica's events (`endpoint`, connectable: tcp://127.0.0.1:PORT) and recover
         gaps from its `replay_endpoint`. The replica must already be publishing (bound)."""
-        body = {"instance_id": instance_id, "endpoint": endpoint, "model_name": MODEL_NAME, "block_size": block_size}
+        body = {"instance_id": instance_id, "endpoint": endpoint, "model_name": MODEL_NAME,
+                "block_size": self.block_size}
         if replay_endpoint is not None:
             body["replay_endpoint"] = replay_endpoint
         self._post("/register", body)
-        self.block_size = block_size
 
     def device_blocks(self) -> dict[int, set[int]]:
         """Instance id -> the hashes of the blocks the indexer believes are in its KV pool."""
@@ -90,10 +84,8 @@ class KVIndexer:
                 raise AssertionError(f"the indexer never met the condition; it holds {summary(blocks)}")
             time.sleep(poll_s)
 
-    def stop(self) -> None:
-        """At once (SIGKILL): the index lives in memory only, as after a crash."""
+    def close(self) -> None:
         self.http.close()
-        self.service.stop(grace_s=0)
 
     def _get(self, path: str) -> dict:
         response = self.http.get(path)
@@ -105,6 +97,24 @@ class KVIndexer:
         if response.status_code >= 400:
             raise RuntimeError(f"dynamo.indexer {path} answered HTTP {response.status_code}: {response.text[:500]}")
         return response.json()
+
+
+class KVIndexer(IndexerClient):
+    """An indexer process of our own (`cpus`: pinned there), and its client."""
+
+    def __init__(self, log_path: str, block_size: int, cpus: str | None = None) -> None:
+        self.service = Service(indexer_command(), log_path, cpus=cpus, label="dynamo.indexer")
+        try:
+            self.service.wait_healthy(show_log=True)
+        except RuntimeError:
+            self.service.stop(grace_s=0)
+            raise
+        super().__init__(self.service.url, block_size)
+
+    def stop(self) -> None:
+        """At once (SIGKILL): the index lives in memory only, as after a crash."""
+        self.close()
+        self.service.stop(grace_s=0)
 
 
 def summary(blocks: dict[int, set[int]]) -> str:

@@ -12,10 +12,10 @@ import random
 
 import pytest
 
+from chunkserve.bench.kv_indexer import KVIndexer
 from tests.entrypoints.fleet.event_replicas import BLOCK_SIZE, EventReplica, start_event_replicas, stop_event_replicas
 
 pytest.importorskip("dynamo.indexer", reason="Dynamo's KV indexer: pip install 'chunkserve[fleet]'")
-from chunkserve.bench.kv_indexer import KVIndexer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NUM_KV_BLOCKS = 40  # 640 tokens a replica: the load below evicts
@@ -34,9 +34,9 @@ class Fleet:
         self.seen: set[int] = set()
 
     def start_indexer(self) -> None:
-        self.indexer = KVIndexer(str(self.log_folder / "indexer.log"))
+        self.indexer = KVIndexer(str(self.log_folder / "indexer.log"), BLOCK_SIZE)
         for instance, replica in enumerate(self.replicas):
-            self.indexer.register(instance, replica.events, replica.replay, BLOCK_SIZE)
+            self.indexer.register(instance, replica.events, replica.replay)
 
     def send(self, instance: int, prompt: list[int]) -> None:
         """`prompt` to one replica, after asking the indexer what that replica will find cached."""
