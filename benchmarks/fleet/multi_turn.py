@@ -247,6 +247,14 @@ def served(replicas: list[Service]) -> list[float]:
     return [replica.metrics().get(SUCCESS, 0.0) for replica in replicas]
 
 
+def warm_up(replicas: list[Service], model: str) -> None:
+    """One short request to each replica directly, so no run's first turn pays a replica's first
+    request (its text shares no block with the workload's)."""
+    for replica in replicas:
+        httpx.post(f"{replica.url}/v1/completions", json={"model": model, "prompt": "warm up", "max_tokens": 2},
+                   timeout=120).raise_for_status()
+
+
 def model_name(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
@@ -257,6 +265,7 @@ def measure(policy: str, seed: int, args: argparse.Namespace, workdir: str, toke
     try:
         with POLICIES[policy](args, workdir, f"{policy}-{seed}") as front:
             model = model_name(front.replicas[0].url)
+            warm_up(front.replicas, model)
             before = served(front.replicas)
             _, _, results = asyncio.run(run_requests(specs, front.url, model, None, None))
             after = served(front.replicas)
