@@ -18,6 +18,9 @@ Policies (front ends):
   ray-prefix-affinity  Ray Serve's PrefixCacheAffinityRouter over chunkserve's Ray `server_cls`:
                      a slot (`ray_prefix_affinity`) until that deployment exists; recorded as skipped.
 
+SMG balances on the replicas' vLLM-named load gauges: give the replicas `--server-flags
+"--metrics-compat vllm"` where chunkserve has that flag (issue 41 item 2), or SMG sees no load.
+
 Per run, for turns >= 2 (the turns with a history to reuse): the history hit rate (prompt tokens
 read from the replica's cache over the previous turn's prompt in whole blocks, the most a cache can
 give: the answer in the history is the workload's, not the server's, so it is never cached), TTFT
@@ -89,7 +92,8 @@ class FrontEnd:
 # ----- replicas and front ends ----------------------------------------------------------------
 
 def start_replicas(args: argparse.Namespace, workdir: str, tag: str) -> list[Replica]:
-    """`args.replicas` chunkserve servers, one per CPU of `--replica-cpus`, publishing KV events."""
+    """One chunkserve server per `--replica-cpus` entry, pinned there, publishing KV events; all
+    stopped if one fails to start."""
     replicas = []
     for index, cpus in enumerate(args.replica_cpus):
         events, replay = free_port(), free_port()
@@ -99,8 +103,13 @@ def start_replicas(args: argparse.Namespace, workdir: str, tag: str) -> list[Rep
                           os.path.join(workdir, f"{tag}-replica{index}.log"), cpus=cpus,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, label=f"replica {index}")
         replicas.append(Replica(service, f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}"))
-    for replica in replicas:
-        replica.service.wait_healthy(show_log=True)
+    try:
+        for replica in replicas:
+            replica.service.wait_healthy(show_log=True)
+    except RuntimeError:
+        for replica in replicas:
+            replica.service.stop(grace_s=0)
+        raise
     return replicas
 
 
