@@ -2,10 +2,10 @@
 on a replica from what the replicas' KV events say they hold (Dynamo's standalone KV indexer,
 which follows their `--kv-events-config` streams), the routing a Dynamo-style router does.
 
-The rule, per request, is Dynamo's KV router cost with its default weight (1): for each
-replica, the blocks it would have to prefill (the prompt's blocks less the longest cached prefix
-the indexer's `/query` gives for it) plus the blocks of the prompts this router has in flight to
-it; the lowest cost wins, then the fewest requests in flight, then the lowest index. Overlap
+The rule, per request, is Dynamo's KV router cost: for each replica, the blocks it would have to
+prefill (the prompt's blocks less the longest cached prefix the indexer's `/query` gives for it)
+times `--overlap-weight` (Dynamo's `overlap_score_weight`, default 1) plus the blocks of the
+prompts this router has in flight to it; the lowest cost wins, then the fewest requests in flight, then the lowest index. Overlap
 alone ("most cached prefix, then least load") sends every chat to the replica that first cached
 the shared system prompt; weighing it against the load in the same unit keeps a chat where its
 history is unless that replica is busier by more than the history is worth.
@@ -35,16 +35,17 @@ from chunkserve.config.model import resolve_model
 from chunkserve.engine.tokenizer import load_tokenizer
 
 
-def choose(prompt_blocks: int, overlaps: dict[int, int], in_flight_blocks: list[int], in_flight: list[int]) -> int:
-    """The replica with the lowest cost (blocks to prefill there + blocks in flight there), then
-    the fewest requests in flight, then the lowest index."""
-    def cost(i: int) -> tuple[int, int, int]:
-        return prompt_blocks - overlaps.get(i, 0) + in_flight_blocks[i], in_flight[i], i
+def choose(prompt_blocks: int, overlaps: dict[int, int], in_flight_blocks: list[int], in_flight: list[int],
+           overlap_weight: float) -> int:
+    """The replica with the lowest cost (weighted blocks to prefill there + blocks in flight
+    there), then the fewest requests in flight, then the lowest index."""
+    def cost(i: int) -> tuple[float, int, int]:
+        return overlap_weight * (prompt_blocks - overlaps.get(i, 0)) + in_flight_blocks[i], in_flight[i], i
 
     return min(range(len(in_flight)), key=cost)
 
 
-def build_app(replicas: list[str], indexer: IndexerClient, tokenizer: Any) -> FastAPI:
+def build_app(replicas: list[str], indexer: IndexerClient, tokenizer: Any, overlap_weight: float) -> FastAPI:
     app = FastAPI()
     client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
     in_flight = [0] * len(replicas)
@@ -61,7 +62,7 @@ def build_app(replicas: list[str], indexer: IndexerClient, tokenizer: Any) -> Fa
         token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         overlaps = await asyncio.to_thread(indexer.overlap_blocks, token_ids)
         blocks = len(token_ids) // indexer.block_size
-        chosen = choose(blocks, overlaps, in_flight_blocks, in_flight)
+        chosen = choose(blocks, overlaps, in_flight_blocks, in_flight, overlap_weight)
         in_flight[chosen] += 1
         in_flight_blocks[chosen] += blocks
 
@@ -97,11 +98,13 @@ def main() -> None:
     parser.add_argument("--indexer", required=True, help="the indexer's base URL, replicas registered by index")
     parser.add_argument("--block-size", type=int, required=True)
     parser.add_argument("--model", default=None, help="the replicas' model, for its tokenizer (default: chunkserve's)")
+    parser.add_argument("--overlap-weight", type=float, default=1.0,
+                        help="the weight of the blocks to prefill against the blocks in flight (Dynamo's default: 1)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
     tokenizer = load_tokenizer(resolve_model(args.model))
-    app = build_app(args.replica, IndexerClient(args.indexer, args.block_size), tokenizer)
+    app = build_app(args.replica, IndexerClient(args.indexer, args.block_size), tokenizer, args.overlap_weight)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

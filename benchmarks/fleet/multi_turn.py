@@ -21,9 +21,11 @@ Policies (front ends):
 SMG balances on the replicas' vLLM-named load gauges: give the replicas `--server-flags
 "--metrics-compat vllm"` where chunkserve has that flag (issue 41 item 2), or SMG sees no load.
 
-Per run, for turns >= 2 (the turns with a history to reuse): the history hit rate (prompt tokens
-read from the replica's cache over the previous turn's prompt in whole blocks, the most a cache can
-give: the answer in the history is the workload's, not the server's, so it is never cached), TTFT
+Per run, for turns >= 2 (the turns with a history to reuse): the history hit rate (of the chat's
+own history, the previous turn's prompt in whole blocks less the shared system prompt, the share
+the replica read from its cache: round-robin over N replicas gives about 1/N, as the system prompt
+is soon cached everywhere; the answer in the history is the workload's, not the server's, so it
+is never cached), the prompt hit rate (cached over prompt tokens, system prompt included), TTFT
 p50/p99; for the whole run: output tokens/s, requests each replica served (its
 `chunkserve:request_success_total`) and failures. Written as JSON (`--out`) with a figure beside it.
 
@@ -172,7 +174,8 @@ def event_driven(args: argparse.Namespace, workdir: str, tag: str) -> Iterator[F
         for index, replica in enumerate(replicas):
             indexer.register(index, replica.events, replica.replay)
         command = [sys.executable, "-m", "benchmarks.fleet.event_router", "--indexer", indexer.service.url,
-                   "--block-size", str(BLOCK_SIZE), *(["--model", args.model] if args.model else [])]
+                   "--block-size", str(BLOCK_SIZE), "--overlap-weight", str(args.overlap_weight),
+                   *(["--model", args.model] if args.model else [])]
         for replica in replicas:
             command += ["--replica", replica.service.url]
         with Service(command, os.path.join(workdir, f"{tag}-router.log"), cpus=args.front_cpus, cwd=REPOSITORY,
@@ -243,13 +246,29 @@ def turn_numbers(specs: list[RequestSpec]) -> list[int]:
 
 
 def later_turn_metrics(specs: list[RequestSpec], results: list) -> dict:
-    """History hit rate and TTFT over the turns >= 2 that completed."""
+    """Over the turns >= 2 that completed: the history hit rate (the chat's own history, past the
+    system prompt every replica soon caches), the prompt hit rate (system prompt included) and TTFT."""
     turns = turn_numbers(specs)
     later = [(spec, result) for spec, result, turn in zip(specs, results, turns) if turn >= 2 and result.ok]
-    history = [len(specs[spec.after].prompt_token_ids) // BLOCK_SIZE * BLOCK_SIZE for spec, _ in later]
-    hits = [min(result.cached_tokens or 0, reusable) for (_, result), reusable in zip(later, history)]
+    shared = shared_prefix_tokens(specs, turns) // BLOCK_SIZE * BLOCK_SIZE
+    history = [len(specs[spec.after].prompt_token_ids) // BLOCK_SIZE * BLOCK_SIZE - shared for spec, _ in later]
+    hits = [min(max((result.cached_tokens or 0) - shared, 0), own) for (_, result), own in zip(later, history)]
+    prompt_tokens = sum(len(spec.prompt_token_ids) for spec, _ in later)
     return {"history_hit_rate": sum(hits) / sum(history) if sum(history) else None,
+            "prompt_hit_rate": (sum(result.cached_tokens or 0 for _, result in later) / prompt_tokens
+                                if prompt_tokens else None),
             "ttft_ms": ms_distribution(ttft(result) for _, result in later)}
+
+
+def shared_prefix_tokens(specs: list[RequestSpec], turns: list[int]) -> int:
+    """The tokens every chat's first turn starts with (the system prompt; 0 with one chat)."""
+    firsts = [spec.prompt_token_ids for spec, turn in zip(specs, turns) if turn == 1]
+    if len(firsts) < 2:
+        return 0
+    length = 0
+    while all(len(first) > length and first[length] == firsts[0][length] for first in firsts):
+        length += 1
+    return length
 
 
 def served(replicas: list[Service]) -> list[float]:
@@ -300,6 +319,7 @@ def policy_summary(runs: list[dict]) -> dict:
         return statistics.median(values) if values else None
 
     return {"history_hit_rate": median(lambda run: run["history_hit_rate"]),
+            "prompt_hit_rate": median(lambda run: run["prompt_hit_rate"]),
             "ttft_p50_ms": median(lambda run: run["ttft_ms"]["p50"]),
             "ttft_p99_ms": median(lambda run: run["ttft_ms"]["p99"]),
             "output_tok_s": median(lambda run: run["output_tok_s"]),
@@ -311,14 +331,15 @@ def table(summaries: dict[str, dict]) -> str:
     def number(value: float | None, digits: int) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    lines = [("| policy | history hit rate (turns >= 2) | TTFT p50 / p99 ms (turns >= 2) | output tok/s "
-              "| requests per replica | failed |"), "|---|---|---|---|---|---|"]
+    lines = [("| policy | history hit rate (turns >= 2) | prompt hit rate (turns >= 2) | TTFT p50 / p99 ms "
+              "(turns >= 2) | output tok/s | requests per replica | failed |"), "|---|---|---|---|---|---|---|"]
     for policy, summary in summaries.items():
         if "skipped" in summary:
-            lines.append(f"| {policy} | skipped: {summary['skipped']} |||||")
+            lines.append(f"| {policy} | skipped: {summary['skipped']} ||||||")
             continue
         shares = "; ".join("/".join(f"{n:.0f}" for n in seed) for seed in summary["requests_per_replica"])
-        lines.append(f"| {policy} | {number(summary['history_hit_rate'], 3)} | {number(summary['ttft_p50_ms'], 0)} / "
+        lines.append(f"| {policy} | {number(summary['history_hit_rate'], 3)} | {number(summary['prompt_hit_rate'], 3)} "
+                     f"| {number(summary['ttft_p50_ms'], 0)} / "
                      f"{number(summary['ttft_p99_ms'], 0)} | {number(summary['output_tok_s'], 1)} | {shares} | "
                      f"{summary['failed']} |")
     return "\n".join(lines)
@@ -365,6 +386,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help='more flags for every replica, as one string: "--metrics-compat vllm"')
     parser.add_argument("--replica-cpus", type=lambda text: text.split(","), default=["0", "1"],
                         help="one CPU list per replica (taskset -c): its count is the number of replicas")
+    parser.add_argument("--overlap-weight", type=float, default=1.0,
+                        help="event-driven: blocks to prefill weighed against blocks in flight (event_router.py)")
     parser.add_argument("--front-cpus", default=None, help="CPUs of the routers and the indexer (default: any)")
     parser.add_argument("--out", default=None, help="the JSON result; the figure is written beside it (.png)")
     parser.add_argument("--smoke", action="store_true",
