@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     print(f"{len(args.policies)} policies x seeds {args.seeds}: {args.chats} chats x {args.turns} turns, system "
           f"{args.system_len}, user {args.user_len}, answer {args.answer_len} tokens, {args.rate} chats/s; "
-          f"replicas on CPUs {args.replica_cpus}: {' '.join(serve_command(*replica_flags(args)))}", file=sys.stderr)
+          f"replicas on CPUs {args.replica_cpus}: {' '.join(serve_command(*replica_flags(args)))}", flush=True)
     if args.dry_run:
         return
     tokenizer = load_tokenizer(resolve_model(args.model))
