@@ -75,7 +75,8 @@ def server_tokenizer(base_url: str, model: str | None, api_key: str | None) -> C
 def completion_body(model: str, spec: RequestSpec) -> dict:
     """Exactly ``output_len`` tokens (no early EOS), greedy, streamed one event per token."""
     return {
-        "model": model, "prompt": spec.prompt_token_ids, "max_tokens": spec.output_len,
+        "model": model, "prompt": spec.prompt_token_ids if spec.prompt_text is None else spec.prompt_text,
+        "max_tokens": spec.output_len,
         "min_tokens": spec.output_len, "ignore_eos": True, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True},
     }

@@ -49,13 +49,16 @@ TOKEN_ID_MARGIN = 100
 class RequestSpec:
     """One request to send: its prompt, how many tokens to ask for, and when: ``send_at``
     seconds after the start, or, when ``after`` is the index of another request, that many
-    seconds after that request's response ended."""
+    seconds after that request's response ended. ``prompt_text``, when set, is sent instead of
+    the token ids (the text they decode to): for a router that reads text, as SMG does, which
+    refuses a completion whose prompt is token ids."""
 
     prompt_token_ids: list[int]
     output_len: int
     send_at: float
     kind: str
     after: int | None = None
+    prompt_text: str | None = None
 
 
 def build_workload(args: argparse.Namespace, rng: np.random.Generator) -> list[RequestSpec]:

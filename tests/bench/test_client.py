@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from chunkserve.bench.client import send_request
+from chunkserve.bench.client import completion_body, send_request
 from chunkserve.bench.workloads import RequestSpec
 
 
@@ -58,3 +58,8 @@ def test_the_usage_event_reports_cached_prompt_tokens():
                                       "prompt_tokens_details": {"cached_tokens": 2}}}
     assert run(sse(token("a", "length"), usage, "[DONE]"), output_len=1).cached_tokens == 2
     assert run(sse(token("a", "length"), "[DONE]"), output_len=1).cached_tokens is None
+
+
+def test_a_spec_with_text_sends_the_text_and_one_without_sends_its_token_ids():
+    assert completion_body("m", RequestSpec([1, 2, 3], 4, 0.0, "turn"))["prompt"] == [1, 2, 3]
+    assert completion_body("m", RequestSpec([1, 2, 3], 4, 0.0, "turn", prompt_text=" a b c"))["prompt"] == " a b c"

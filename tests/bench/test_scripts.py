@@ -27,7 +27,8 @@ from tests.server_process import ADMIN_API_KEY, API_KEY
 
 BENCHMARKS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 REPOSITORY = os.path.dirname(BENCHMARKS)
-KINDS = ("kernels", "engine")  # benchmarks/kernels: kernel micro-benchmarks; benchmarks/engine: engine studies
+# benchmarks/kernels: kernel micro-benchmarks; benchmarks/engine: engine studies; benchmarks/fleet: routers before replicas
+KINDS = ("kernels", "engine", "fleet")
 SMOKE_TIMEOUT_S = 180
 PARALLEL_RUNS = 2
 
@@ -69,6 +70,9 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "hostile": (["--url", "{url}", "--api-key", API_KEY, "--admin-api-key", ADMIN_API_KEY, "--cases",
                  "bearer_case,admin_endpoints", "--bystanders", "1", "--bystander-tokens", "4",
                  "--drain-timeout", "20"], "2/2 cases passed"),
+    # fleet studies: minutes of serving behind routers, so the plan only; the event router is a server
+    "multi_turn": (["--dry-run"], "16 chats x 6 turns"),
+    "event_router": (["--help"], "--overlap-weight"),
     # trace and sweep analyses: small files in the formats they read
     "margin_replay": (["{trace}"], "| p99 x level of last 4 (default) |"),
     "predictor_accuracy": (["{trace}"], "decode only"),
