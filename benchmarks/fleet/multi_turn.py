@@ -18,8 +18,8 @@ Policies (front ends):
   ray-prefix-affinity  Ray Serve's PrefixCacheAffinityRouter over chunkserve's Ray `server_cls`:
                      a slot (`ray_prefix_affinity`) until that deployment exists; recorded as skipped.
 
-SMG balances on the replicas' vLLM-named load gauges: give the replicas `--server-flags
-"--metrics-compat vllm"` where chunkserve has that flag (issue 41 item 2), or SMG sees no load.
+Every replica runs with `--metrics-compat vllm`: SMG reads each one's load from its vLLM-named
+gauges (without them it sees none, and cache_aware never balances).
 
 Per run, for turns >= 2 (the turns with a history to reuse): the history hit rate (of the chat's
 own history, the previous turn's prompt in whole blocks less the shared system prompt, the share
@@ -117,7 +117,8 @@ def start_replicas(args: argparse.Namespace, workdir: str, tag: str) -> list[Rep
 
 def replica_flags(args: argparse.Namespace) -> list[str]:
     model = ["--model", args.model] if args.model else []
-    return [*model, "--block-size", str(BLOCK_SIZE), "--max-model-len", str(args.max_model_len), *args.server_flags]
+    return [*model, "--block-size", str(BLOCK_SIZE), "--max-model-len", str(args.max_model_len),
+            "--metrics-compat", "vllm", *args.server_flags]
 
 
 def smg_binary() -> str:
@@ -383,7 +384,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="the replicas' model (default: chunkserve's default)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--server-flags", type=shlex.split, default=[],
-                        help='more flags for every replica, as one string: "--metrics-compat vllm"')
+                        help='more flags for every replica, as one string: "--max-num-batched-tokens 256"')
     parser.add_argument("--replica-cpus", type=lambda text: text.split(","), default=["0", "1"],
                         help="one CPU list per replica (taskset -c): its count is the number of replicas")
     parser.add_argument("--overlap-weight", type=float, default=1.0,
