@@ -45,6 +45,10 @@ PREFIX_CACHE_AFFINITY_ROUTER = ("ray.llm._internal.serve.routing_policies.prefix
                                 "PrefixCacheAffinityRouter")
 ROUTERS = {"prefix_cache_affinity": PREFIX_CACHE_AFFINITY_ROUTER, "power_of_two": None}
 PROMPT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+REPLICA_HEADER = "x-chunkserve-replica"  # which replica answered: Serve's replica id (its actor's name ends in it)
+# Serve's default (5 a replica) would queue requests in Serve that the engine batches; as Ray Serve LLM
+# does, leave queueing to the engine (--max-waiting-requests answers 503 past its limit).
+MAX_ONGOING_REQUESTS = 1_000_000_000
 HOP_BY_HOP = frozenset({"content-length", "transfer-encoding", "connection"})
 
 
@@ -74,6 +78,12 @@ class ResponseStart:
 
     status: int
     headers: list[tuple[str, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponseEnd:
+    """The last item of a replica's answer: the app sent its whole body. An answer that stops
+    without it was cut (its replica died)."""
 
 
 def forwarded_request(method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
@@ -120,10 +130,14 @@ class ChunkserveServer:
         self.engine.observers.append(metrics.observe)
         self.app = build_app(self.engine, metrics, model_names, ServerArgs(served_model_name=model_names),
                              self.engine_args)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
 
-    async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
-        """The app's answer: a ResponseStart, then the body's bytes as the app sends them."""
+    async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes | ResponseEnd]:
+        """The app's answer: a ResponseStart (naming this replica), the body's bytes as the app
+        sends them, then ResponseEnd."""
         async for item in call_asgi(self.app, request):
+            if isinstance(item, ResponseStart):
+                item = ResponseStart(item.status, [*item.headers, (REPLICA_HEADER, self.replica_id)])
             yield item
 
     async def check_health(self) -> None:
@@ -164,7 +178,7 @@ class ChunkserveServer:
             engine.shutdown()
 
 
-async def call_asgi(app: Any, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+async def call_asgi(app: Any, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes | ResponseEnd]:
     """One request through an ASGI app in this process, its response as the app sends it. The
     client is there until this generator is closed (then the app sees a disconnect: a stream's
     requests abort, as when an HTTP client hangs up)."""
@@ -194,6 +208,7 @@ async def call_asgi(app: Any, request: ForwardedRequest) -> AsyncIterator[Respon
                 if message.get("body"):
                     yield message["body"]
                 if not message.get("more_body"):
+                    yield ResponseEnd()
                     return
     finally:
         closed.set()
@@ -203,17 +218,22 @@ async def call_asgi(app: Any, request: ForwardedRequest) -> AsyncIterator[Respon
 
 
 async def _body(chunks: Any, is_stream: bool) -> AsyncIterator[bytes]:
-    """A response's body from its replica. If the replica dies part-way, a stream ends with an
-    error event and [DONE] (OpenAI's in-band error) instead of hanging."""
+    """A response's body from its replica. If the replica dies part-way (Serve's stream then
+    fails, or ends without ResponseEnd), a stream ends with an error event and [DONE] (OpenAI's
+    in-band error) and any other body is cut, so that the client sees an error, not a short answer."""
+    failure = "its answer stopped part-way"
     try:
         async for chunk in chunks:
+            if isinstance(chunk, ResponseEnd):
+                return
             yield chunk
     except RayError as error:
-        if not is_stream:
-            raise
-        yield sse(error_body(f"the replica serving this request failed: {error}", "service_unavailable",
-                             503)).encode()
-        yield sse("[DONE]").encode()
+        failure = str(error)
+    message = f"the replica serving this request failed: {failure}"
+    if not is_stream:
+        raise RuntimeError(message)
+    yield sse(error_body(message, "service_unavailable", 503)).encode()
+    yield sse("[DONE]").encode()
 
 
 ingress_app = FastAPI(title="chunkserve on Ray Serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -274,7 +294,7 @@ def build_chunkserve_app(fields: dict[str, Any] | ChunkserveAppConfig) -> Applic
     config = fields if isinstance(fields, ChunkserveAppConfig) else ChunkserveAppConfig.parse(
         {k: _parse_cli_value(v) for k, v in fields.items()})
     router = ROUTERS[config.request_router]
-    options: dict[str, Any] = {"num_replicas": int(config.num_replicas),
+    options: dict[str, Any] = {"num_replicas": int(config.num_replicas), "max_ongoing_requests": MAX_ONGOING_REQUESTS,
                                "ray_actor_options": {"num_cpus": config.num_cpus_per_replica},
                                **({"request_router_config": RequestRouterConfig(request_router_class=router)}
                                   if router else {}),
@@ -283,7 +303,8 @@ def build_chunkserve_app(fields: dict[str, Any] | ChunkserveAppConfig) -> Applic
                                **config.deployment_options}
     server = serve.deployment(ChunkserveServer, name="ChunkserveServer", **options).bind(
         config.engine_kwargs, config.served_model_name)
-    ingress = serve.deployment(ChunkserveIngress, name="ChunkserveIngress", ray_actor_options={"num_cpus": 0})
+    ingress = serve.deployment(ChunkserveIngress, name="ChunkserveIngress", ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=MAX_ONGOING_REQUESTS)
     return ingress.bind(server)
 
 

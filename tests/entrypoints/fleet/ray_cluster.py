@@ -30,11 +30,15 @@ class RayFleet:
         return {a["Name"]: a["Address"]["NodeID"] for a in actors().values()
                 if a.get("ActorClassName") == REPLICA_CLASS and a.get("State") == "ALIVE"}
 
-    def kill_replica(self, name: str) -> None:
-        """As a crash would: the actor dies at once, and Serve's controller has to replace it."""
+    def kill_replica(self, replica_id: str) -> str:
+        """As a crash would: the actor of the replica `replica_id` (what responses name in their
+        x-chunkserve-replica header) dies at once, and Serve's controller has to replace it.
+        Returns the actor's name."""
         import ray
 
+        name = next(name for name in self.replicas() if name.endswith(f"#{replica_id}"))
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        return name
 
     def wait_until_serving(self, replicas: int, condition: Callable[[dict[str, str]], bool] = lambda _: True,
                            timeout_s: float = START_TIMEOUT_S) -> dict[str, str]:

@@ -19,6 +19,7 @@ pytest.importorskip("ray.serve", reason="the fleet extra: pip install 'chunkserv
 pytestmark = pytest.mark.slow
 
 BLOCK_SIZE = 16  # EngineArgs' default: what a prefix-cache hit is counted in
+REPLICA_HEADER = "x-chunkserve-replica"  # names the replica that answered
 CASES = [  # (route, request fields): greedy and seeded, streamed and not
     ("chat", {"temperature": 0.0}),
     ("chat", {"temperature": 1.0, "seed": 7, "stream": True}),
@@ -97,17 +98,20 @@ def test_a_conversations_next_turn_reads_its_history_from_the_replicas_cache(fle
 
 
 def test_a_killed_replica_fails_its_requests_cleanly_and_serve_replaces_it(fleet):
-    """Requests running on a replica that dies end with an error (not a hang); the others
-    finish; Serve starts a replacement, and requests after it succeed."""
+    """The requests running on a replica that dies end with an error (not a hang), those on the
+    other replica finish; Serve starts a replacement, and requests after it succeed."""
     http = client(fleet.base_url)
     model = http.models.list().data[0].id
     started = [threading.Event() for _ in range(6)]
+    replica_of: dict[int, str] = {}
     outcomes: dict[int, str] = {}
 
     def stream(index: int) -> None:
         try:
-            for _ in http.completions.create(model=model, prompt=f"request {index} " * (index + 1), max_tokens=400,
-                                             temperature=0, stream=True):
+            response = http.completions.with_raw_response.create(
+                model=model, prompt=f"request {index} " * (index + 1), max_tokens=400, temperature=0, stream=True)
+            replica_of[index] = response.headers[REPLICA_HEADER]
+            for _ in response.parse():
                 started[index].set()
             outcomes[index] = "finished"
         except openai.APIError as error:
@@ -120,14 +124,12 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_serve_replaces_it(fleet
         thread.start()
     for event in started:
         assert event.wait(60)
-    before = fleet.replicas()
-    victim = sorted(before)[0]
-    fleet.kill_replica(victim)
+    victim = fleet.kill_replica(replica_of[0])
     for thread in threads:
         thread.join(60)
         assert not thread.is_alive(), "a request hung after its replica died"
-    failed = [o for o in outcomes.values() if o.startswith("failed")]
-    assert failed and len(failed) < len(outcomes), outcomes
+    assert {i for i, o in outcomes.items() if o.startswith("failed")} == \
+        {i for i, r in replica_of.items() if r == replica_of[0]}, (outcomes, replica_of)
     after = fleet.wait_until_serving(2, lambda found: victim not in found)
     assert len(set(after.values())) == 2
     for index, (route, fields) in enumerate(CASES):
