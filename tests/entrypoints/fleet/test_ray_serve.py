@@ -13,7 +13,12 @@ import pytest
 from chunkserve.engine.core import TEST_STEP_DELAY_ENV
 from tests.entrypoints.fleet.ray_cluster import RayFleet, start_fleet, stop_fleet
 from tests.server_process import API_KEY, Server, free_port, start_server, stop_server
-from tests.tiny_model import STEP_DELAY_MS, TINY_MAX_POSITIONS, TINY_SERVER_ENV, tiny_server_flags
+from tests.tiny_model import (
+    STEP_DELAY_MS,
+    TINY_MAX_POSITIONS,
+    TINY_SERVER_ENV,
+    tiny_server_flags,
+)
 
 pytest.importorskip("ray.serve", reason="the fleet extra: pip install 'chunkserve[fleet]'")
 pytestmark = pytest.mark.slow
