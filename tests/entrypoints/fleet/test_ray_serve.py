@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from chunkserve.engine.core import TEST_STEP_DELAY_ENV
+from chunkserve.errors import InvalidRequestError
 from tests.entrypoints.fleet.ray_cluster import RayFleet, start_fleet, stop_fleet
 from tests.server_process import API_KEY, Server, free_port, start_server, stop_server
 from tests.tiny_model import (
@@ -139,3 +140,13 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_serve_replaces_it(fleet
     assert len(set(after.values())) == 2
     for index, (route, fields) in enumerate(CASES):
         assert answer(http, route, fields, f"after the restart {index}")[1] == "length"
+
+
+@pytest.mark.parametrize(("fields", "named"), [({"engine_kwargs": {"max_num_batched_token": 512}}, "engine_kwargs"),
+                                               ({"request_router": "round_robin"}, "request_router"),
+                                               ({"replicas": 2}, "build_chunkserve_app")])
+def test_a_wrong_field_is_refused_before_anything_starts(fields, named):
+    from chunkserve.entrypoints.ray_serve import build_chunkserve_app
+
+    with pytest.raises(InvalidRequestError, match=named):
+        build_chunkserve_app(fields)
