@@ -15,8 +15,9 @@ Policies (front ends):
   event-driven       benchmarks/fleet/event_router.py: Dynamo's KV indexer following the replicas'
                      KV events; each request to the replica with the fewest blocks to prefill (the
                      indexer's overlap) plus blocks in flight, Dynamo's KV router cost (its docstring);
-  ray-prefix-affinity  Ray Serve's PrefixCacheAffinityRouter over chunkserve's Ray `server_cls`:
-                     a slot (`ray_prefix_affinity`) until that deployment exists; recorded as skipped.
+  ray-prefix-affinity  Ray Serve LLM's PrefixCacheAffinityRouter before chunkserve replicas on Ray
+                     Serve (chunkserve/entrypoints/ray_serve.py), one per one-CPU node of a local
+                     cluster, each node pinned to its replica's CPUs (`ray_prefix_affinity`).
 
 Every replica runs with `--metrics-compat vllm`: SMG reads each one's load from its vLLM-named
 gauges (without them it sees none, and cache_aware never balances).
@@ -71,6 +72,7 @@ SUCCESS = "chunkserve:request_success_total"
 SMG_READY_TIMEOUT_S = 120
 SMG_LOAD_MONITOR_INTERVAL_S = 1  # SMG polls each worker's load this often (its default: 10 s)
 POLL_S = 0.1
+RAY_OBJECT_STORE_BYTES = 80 * 1024 * 1024  # Ray's minimum is 75 MiB; the benchmark moves kilobytes
 SMOKE = {"chats": 2, "turns": 2, "system_len": 64, "user_len": 32, "answer_len": 8, "max_model_len": 512}
 
 
@@ -192,12 +194,44 @@ def event_driven(args: argparse.Namespace, workdir: str, tag: str) -> Iterator[F
 
 @contextlib.contextmanager
 def ray_prefix_affinity(args: argparse.Namespace, workdir: str, tag: str) -> Iterator[FrontEnd]:
-    """Ray Serve's PrefixCacheAffinityRouter before `args.replicas` Serve replicas hosting
-    chunkserve's AsyncLLM (chunkserve's Ray `server_cls`, issue 41 item 3d), each pinned like the
-    others; to be completed once that deployment exists: yield FrontEnd(the Serve HTTP URL, the
-    replicas' chunkserve /metrics services)."""
-    raise PolicyUnavailable("chunkserve's Ray Serve deployment (server_cls) is not wired into this benchmark yet")
-    yield  # a generator, as the other front ends
+    """Ray Serve LLM's PrefixCacheAffinityRouter before chunkserve replicas on Ray Serve
+    (chunkserve/entrypoints/ray_serve.py): a local cluster of one one-CPU node per
+    `--replica-cpus` entry, each node's raylet started pinned there (its workers, the replicas,
+    inherit the pinning), one replica per node. Serve's controller and HTTP proxy run on the
+    nodes too, so they share the replicas' cores (SMG and the event router run beside them
+    unpinned). The replicas' own /metrics are not reachable through Serve: requests per replica
+    are not counted for this policy."""
+    try:
+        import ray
+        from ray import serve
+        from ray.cluster_utils import Cluster
+
+        from chunkserve.entrypoints.ray_serve import build_chunkserve_app
+    except ImportError as error:
+        raise PolicyUnavailable(f"Ray Serve is not installed: {error}") from None
+    allowed = os.sched_getaffinity(0)
+    cluster = Cluster()
+    try:
+        for index, cpus in enumerate(args.replica_cpus):
+            os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split("-")})
+            cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES,
+                             **({"include_dashboard": False} if index == 0 else {}))
+        os.sched_setaffinity(0, allowed)
+        ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        engine_kwargs = {"block_size": BLOCK_SIZE, "max_model_len": args.max_model_len,
+                         **({"model": args.model} if args.model else {})}
+        serve.run(build_chunkserve_app({"engine_kwargs": engine_kwargs, "num_replicas": len(args.replica_cpus),
+                                        "request_router": "prefix_cache_affinity"}), name="chunkserve",
+                  route_prefix="/")
+        yield FrontEnd(f"http://127.0.0.1:{port}", [])
+    finally:
+        os.sched_setaffinity(0, allowed)
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        cluster.shutdown()
 
 
 POLICIES: dict[str, Callable] = {
@@ -293,7 +327,7 @@ def measure(policy: str, seed: int, args: argparse.Namespace, workdir: str, toke
     specs = workload(args, seed, tokenizer)
     try:
         with POLICIES[policy](args, workdir, f"{policy}-{seed}") as front:
-            model = model_name(front.replicas[0].url)
+            model = model_name(front.replicas[0].url if front.replicas else front.url)
             warm_up(front.replicas, model)
             before = served(front.replicas)
             _, _, results = asyncio.run(run_requests(specs, front.url, model, None, None))
