@@ -6,10 +6,13 @@ so this folder is on their path and they import it as `support`; no script impor
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
+from typing import Any
 
 PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers")
 VLLM_SCRIPT = os.path.join(PEERS, "start_vllm.sh")  # PORT [vLLM flags...]: see peers/README.md
@@ -35,6 +38,38 @@ def peer_missing(script: str) -> str | None:
         return f"no {script}"
     check = subprocess.run(["bash", script, "--check"], capture_output=True, text=True)
     return None if check.returncode == 0 else (check.stderr.strip() or f"{script} --check failed")
+
+
+# ----- workloads as text (benchmarks/fleet: SMG takes no token-id prompt) ----------------------
+
+def text_workload(shape: argparse.Namespace, seed: int, tokenizer: Any) -> list:
+    """`chunkserve bench serve`'s workload `shape` (its flags: workload, num_prompts, input_len,
+    ...) with every prompt as text: each random token becomes a one-word token (`word_tokens`), so
+    the text encodes back to exactly those tokens (a later turn's prompt still starts with the
+    whole previous turn's), and `prompt_token_ids` is what the server will see."""
+    import numpy as np
+
+    from chunkserve.bench.workloads import TOKEN_ID_MARGIN, build_workload
+
+    words = word_tokens(tokenizer)
+    specs = build_workload(argparse.Namespace(**{**vars(shape), "vocab_size": len(words) + 2 * TOKEN_ID_MARGIN}),
+                           np.random.default_rng(seed))
+    for spec in specs:
+        spec.prompt_text = tokenizer.decode([words[token - TOKEN_ID_MARGIN] for token in spec.prompt_token_ids])
+        spec.prompt_token_ids = tokenizer.encode(spec.prompt_text)
+    for spec in specs:
+        if spec.after is not None:
+            previous = specs[spec.after].prompt_token_ids
+            assert spec.prompt_token_ids[:len(previous)] == previous, "a turn's tokens must extend the previous turn's"
+    return specs
+
+
+@functools.lru_cache(maxsize=1)
+def word_tokens(tokenizer: Any) -> list[int]:
+    """The tokens that are one space-led lowercase word and encode back to themselves alone
+    (a byte-level BPE splits text at spaces, so a run of them encodes token for token)."""
+    candidates = sorted(i for token, i in tokenizer.get_vocab().items() if re.fullmatch("\u0120[a-z]{3,}", token))
+    return [i for i in candidates if tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False) == [i]]
 
 
 # ----- timing -----------------------------------------------------------------------------------

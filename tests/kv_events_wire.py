@@ -66,7 +66,7 @@ class Subscriber:
     def drain(self, settle_s: float = 0.3) -> None:
         """Receive until nothing arrives for `settle_s` (the engine is idle, so nothing more is coming)."""
         while self.socket.poll(int(settle_s * 1000)):
-            topic, seq, payload = self.socket.recv_multipart()
+            _, seq, payload = self.socket.recv_multipart()
             self.messages.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
 
     def close(self) -> None:
@@ -84,7 +84,7 @@ def replay(endpoint: str, first_seq: int, timeout_s: float = 10.0) -> list[tuple
         messages, deadline = [], time.monotonic() + timeout_s
         while True:
             assert socket.poll(int(max(deadline - time.monotonic(), 0) * 1000)), "the replay did not end"
-            _, topic, seq, payload = socket.recv_multipart()
+            _, _, seq, payload = socket.recv_multipart()
             seq = int.from_bytes(seq, "big", signed=True)
             if seq == END_OF_REPLAY:
                 return messages

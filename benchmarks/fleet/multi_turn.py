@@ -40,38 +40,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import json
 import os
-import re
 import shlex
-import shutil
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import numpy as np
 
+from benchmarks.support import text_workload  # benchmarks/support.py
 from chunkserve.bench.client import run_requests
 from chunkserve.bench.host import machine
 from chunkserve.bench.kv_indexer import KVIndexer
 from chunkserve.bench.metrics import ms_distribution, summarize, ttft
 from chunkserve.bench.service import Service, free_port, serve_command
-from chunkserve.bench.workloads import TOKEN_ID_MARGIN, RequestSpec, build_workload
+from chunkserve.bench.smg import smg_binary, smg_command, wait_smg_workers
+from chunkserve.bench.workloads import RequestSpec
 from chunkserve.config.model import resolve_model
 from chunkserve.engine.tokenizer import load_tokenizer
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOCK_SIZE = 16
 SUCCESS = "chunkserve:request_success_total"
-SMG_READY_TIMEOUT_S = 120
-SMG_LOAD_MONITOR_INTERVAL_S = 1  # SMG polls each worker's load this often (its default: 10 s)
-POLL_S = 0.1
 RAY_OBJECT_STORE_BYTES = 80 * 1024 * 1024  # Ray's minimum is 75 MiB; the benchmark moves kilobytes
 SMOKE = {"chats": 2, "turns": 2, "system_len": 64, "user_len": 32, "answer_len": 8, "max_model_len": 512}
 
@@ -123,43 +117,18 @@ def replica_flags(args: argparse.Namespace) -> list[str]:
             "--metrics-compat", "vllm", *args.server_flags]
 
 
-def smg_binary() -> str:
-    beside = os.path.join(os.path.dirname(sys.executable), "smg")
-    found = beside if os.path.exists(beside) else shutil.which("smg")
-    if found is None:
-        raise PolicyUnavailable("SMG is not installed: pip install 'chunkserve[fleet]'")
-    return found
-
-
-def smg_command(policy: str, urls: list[str]) -> list[str]:
-    """`smg launch` before `urls` (the harness adds --port); its Prometheus listener on a free port."""
-    return [smg_binary(), "launch", "--host", "127.0.0.1", "--worker-urls", *urls, "--policy", policy,
-            "--load-monitor-interval", str(SMG_LOAD_MONITOR_INTERVAL_S), "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(free_port())]
-
-
-def wait_smg_ready(service: Service, workers: int) -> None:
-    """Until SMG lists `workers` workers as ready (its /health answers before it has any)."""
-    deadline = time.monotonic() + SMG_READY_TIMEOUT_S
-    service.wait_healthy(show_log=True)
-    while True:
-        listed = httpx.get(f"{service.url}/workers", timeout=10).json()["workers"]
-        if sum(worker["status"] == "ready" for worker in listed) == workers:
-            return
-        if service.popen.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"SMG never had {workers} ready workers: {listed}; see {service.log_path}")
-        time.sleep(POLL_S)
-
-
 def smg_front_end(policy: str) -> Callable:
     @contextlib.contextmanager
     def front_end(args: argparse.Namespace, workdir: str, tag: str) -> Iterator[FrontEnd]:
-        smg_binary()  # SMG missing: skipped before any replica starts
+        if smg_binary() is None:  # skipped before any replica starts
+            raise PolicyUnavailable("SMG is not installed: pip install 'chunkserve[fleet]'")
         services = [r.service for r in start_replicas(args, workdir, tag)]
         try:
-            with Service(smg_command(policy, [s.url for s in services]), os.path.join(workdir, f"{tag}-smg.log"), cpus=args.front_cpus,
+            command = smg_command("--worker-urls", *[s.url for s in services], "--policy", policy,
+                                  metrics_port=free_port())
+            with Service(command, os.path.join(workdir, f"{tag}-smg.log"), cpus=args.front_cpus,
                          label=f"smg {policy}") as smg:
-                wait_smg_ready(smg, len(services))
+                wait_smg_workers(smg.url, smg.popen, len(services), log_path=smg.log_path)
                 yield FrontEnd(smg.url, services)
         finally:
             for service in services:
@@ -245,31 +214,12 @@ POLICIES: dict[str, Callable] = {
 # ----- one run --------------------------------------------------------------------------------
 
 def workload(args: argparse.Namespace, seed: int, tokenizer: Any) -> list[RequestSpec]:
-    """`chunkserve bench serve`'s multi-turn workload with this benchmark's shape, as text: SMG
-    takes no token-id prompt, and its cache_aware policy reads text. Each random token becomes a
-    one-word token (`word_tokens`), so the text encodes back to those tokens and a turn's prompt
-    still starts with the whole previous turn's."""
-    words = word_tokens(tokenizer)
+    """`chunkserve bench serve`'s multi-turn workload with this benchmark's shape, as text (SMG takes
+    no token-id prompt, and its cache_aware policy reads text)."""
     shape = argparse.Namespace(workload="multi-turn", num_prompts=args.chats, turns=args.turns,
                                prefix_len=args.system_len, input_len=args.user_len, output_len=args.answer_len,
-                               request_rate=args.rate, think_time=0.0, vocab_size=len(words) + 2 * TOKEN_ID_MARGIN)
-    specs = build_workload(shape, np.random.default_rng(seed))
-    for spec in specs:
-        spec.prompt_text = tokenizer.decode([words[token - TOKEN_ID_MARGIN] for token in spec.prompt_token_ids])
-        spec.prompt_token_ids = tokenizer.encode(spec.prompt_text)  # what the replica will see
-    for spec in specs:
-        if spec.after is not None:
-            previous = specs[spec.after].prompt_token_ids
-            assert spec.prompt_token_ids[:len(previous)] == previous, "a turn's tokens must extend the previous turn's"
-    return specs
-
-
-@functools.lru_cache(maxsize=1)
-def word_tokens(tokenizer: Any) -> list[int]:
-    """The tokens that are one space-led lowercase word and encode back to themselves alone
-    (a byte-level BPE splits text at spaces, so a run of them encodes token for token)."""
-    candidates = sorted(i for token, i in tokenizer.get_vocab().items() if re.fullmatch("\u0120[a-z]{3,}", token))
-    return [i for i in candidates if tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False) == [i]]
+                               request_rate=args.rate, think_time=0.0)
+    return text_workload(shape, seed, tokenizer)
 
 
 def turn_numbers(specs: list[RequestSpec]) -> list[int]:

@@ -70,7 +70,7 @@ class Recorder:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self._socket.poll(100):
-                topic, seq, payload = self._socket.recv_multipart()
+                _, seq, payload = self._socket.recv_multipart()
                 self.frames.append((int.from_bytes(seq, "big"), payload))
 
     def close(self) -> list[tuple[int, bytes]]:

@@ -27,7 +27,12 @@ import msgspec
 import zmq
 
 from chunkserve.config.kv_events import KVEventsConfig
-from chunkserve.core.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from chunkserve.core.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -73,6 +73,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     # fleet studies: minutes of serving behind routers, so the plan only; the event router is a server
     "multi_turn": (["--dry-run"], "16 chats x 6 turns"),
     "event_router": (["--help"], "--overlap-weight"),
+    "pd_routers": (["--dry-run"], "decode (core 1):"),
     # trace and sweep analyses: small files in the formats they read
     "margin_replay": (["{trace}"], "| p99 x level of last 4 (default) |"),
     "predictor_accuracy": (["{trace}"], "decode only"),

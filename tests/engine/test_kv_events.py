@@ -12,7 +12,13 @@ import pytest
 from chunkserve.config import EngineArgs
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.sampling_params import SamplingParams
-from tests.kv_events_wire import AllBlocksCleared, BlockStored, Subscriber, index_of, replay
+from tests.kv_events_wire import (
+    AllBlocksCleared,
+    BlockStored,
+    Subscriber,
+    index_of,
+    replay,
+)
 
 BLOCK = 16
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

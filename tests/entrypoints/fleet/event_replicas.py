@@ -6,7 +6,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from tests.server_process import Server, free_port, start_server, stop_server, wait_until_up
+from tests.server_process import (
+    Server,
+    free_port,
+    start_server,
+    stop_server,
+    wait_until_up,
+)
 from tests.tiny_model import TINY_SERVER_ENV, tiny_server_flags
 
 BLOCK_SIZE = 16

@@ -4,30 +4,25 @@ it was given is registered and ready (its /health answers before that), stopped 
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
 import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
+from chunkserve.bench.smg import smg_binary, smg_command, smg_workers, wait_smg_workers
 from tests.server_process import API_KEY, Server, free_port, start_command, stop_server
 
 WORKERS_READY_TIMEOUT_S = 60
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}  # SMG's --api-key guards its own API and is sent to the workers
-LOAD_MONITOR_INTERVAL_S = 1  # SMG polls each worker's load this often (its default: 10 s)
 
 
-def smg_binary() -> str:
-    """The `smg` launcher of this interpreter's environment (or on PATH); the test is skipped
-    where the fleet extra is not installed (`make test-all` installs it)."""
-    beside = os.path.join(os.path.dirname(sys.executable), "smg")
-    found = beside if os.path.exists(beside) else shutil.which("smg")
-    if found is None:
+def installed_smg() -> str:
+    """The test is skipped where the fleet extra is not installed (`make test-all` installs it)."""
+    binary = smg_binary()
+    if binary is None:
         pytest.skip("SMG is not installed: pip install 'chunkserve[fleet]'")
-    return found
+    return binary
 
 
 @dataclass
@@ -43,8 +38,7 @@ class Gateway:
         return httpx.post(self.base_url + path, json=body, headers=HEADERS, timeout=180)
 
     def workers(self) -> list[dict]:
-        """SMG's worker listing: url, worker_type, runtime_type (its classification), status, engine_load."""
-        return httpx.get(self.base_url + "/workers", headers=HEADERS, timeout=10).json()["workers"]
+        return smg_workers(self.base_url, HEADERS)
 
     def metrics(self) -> str:
         return httpx.get(self.metrics_url, timeout=10).text
@@ -62,17 +56,15 @@ class Gateway:
 
 
 def start_smg(tmp_path_factory, *flags: str, workers: int, name: str = "smg") -> Gateway:
-    """`smg launch FLAGS` (the harness adds --port), with the tests' API key for the workers,
-    polling loads every LOAD_MONITOR_INTERVAL_S; returned once `workers` workers are ready."""
+    """`smg launch FLAGS` (the harness adds --port), with the tests' API key for the workers;
+    returned once `workers` workers are ready."""
+    installed_smg()
     metrics_port = free_port()
-    server = start_command(tmp_path_factory, [
-        smg_binary(), "launch", "--host", "127.0.0.1", "--api-key", API_KEY, "--prometheus-host", "127.0.0.1",
-        "--prometheus-port", str(metrics_port), "--load-monitor-interval", str(LOAD_MONITOR_INTERVAL_S), *flags],
-        name=name)
+    server = start_command(tmp_path_factory, smg_command(*flags, metrics_port=metrics_port, api_key=API_KEY),
+                           name=name)
     gateway = Gateway(server, f"http://127.0.0.1:{metrics_port}/metrics")
     try:
-        gateway.wait_for(lambda found: sum(w["status"] == "ready" for w in found) == workers,
-                         f"{workers} ready workers")
+        wait_smg_workers(gateway.base_url, server.process, workers, HEADERS, log_path=server.log_path)
     except BaseException:
         stop_smg(gateway)
         raise

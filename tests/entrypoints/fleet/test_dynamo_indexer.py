@@ -13,7 +13,12 @@ import random
 import pytest
 
 from chunkserve.bench.kv_indexer import KVIndexer
-from tests.entrypoints.fleet.event_replicas import BLOCK_SIZE, EventReplica, start_event_replicas, stop_event_replicas
+from tests.entrypoints.fleet.event_replicas import (
+    BLOCK_SIZE,
+    EventReplica,
+    start_event_replicas,
+    stop_event_replicas,
+)
 
 pytest.importorskip("dynamo.indexer", reason="Dynamo's KV indexer: pip install 'chunkserve[fleet]'")
 
