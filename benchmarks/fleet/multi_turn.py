@@ -322,12 +322,20 @@ def table(summaries: dict[str, dict]) -> str:
         if "skipped" in summary:
             lines.append(f"| {policy} | skipped: {summary['skipped']} ||||||")
             continue
-        shares = "; ".join("/".join(f"{n:.0f}" for n in seed) for seed in summary["requests_per_replica"])
+        shares = "; ".join("/".join(f"{n:.0f}" for n in seed) for seed in summary["requests_per_replica"]
+                           if seed) or "not counted"
         lines.append(f"| {policy} | {number(summary['history_hit_rate'], 3)} | {number(summary['prompt_hit_rate'], 3)} "
                      f"| {number(summary['ttft_p50_ms'], 0)} / "
                      f"{number(summary['ttft_p99_ms'], 0)} | {number(summary['output_tok_s'], 1)} | {shares} | "
                      f"{summary['failed']} |")
     return "\n".join(lines)
+
+
+def busiest_share(summary: dict) -> float:
+    """The median over seeds of the busiest replica's share of requests; NaN (no bar) where the
+    policy's replicas could not be counted (Ray Serve's)."""
+    shares = [max(seed) / sum(seed) for seed in summary["requests_per_replica"] if seed and sum(seed)]
+    return statistics.median(shares) if shares else float("nan")
 
 
 def figure(summaries: dict[str, dict], path: str) -> str:
@@ -339,8 +347,7 @@ def figure(summaries: dict[str, dict], path: str) -> str:
     measured = {policy: s for policy, s in summaries.items() if "skipped" not in s}
     panels = [("history hit rate, turns >= 2", lambda s: s["history_hit_rate"] or 0.0),
               ("TTFT p50 ms, turns >= 2", lambda s: s["ttft_p50_ms"] or 0.0),
-              ("busiest replica's share of requests", lambda s: statistics.median(
-                  max(seed) / sum(seed) if sum(seed) else 0.0 for seed in s["requests_per_replica"]))]
+              ("busiest replica's share of requests", busiest_share)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
     for ax, (title, pick) in zip(axes, panels):
         ax.bar(list(measured), [pick(s) for s in measured.values()], color="tab:blue")
