@@ -72,6 +72,40 @@ def word_tokens(tokenizer: Any) -> list[int]:
     return [i for i in candidates if tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False) == [i]]
 
 
+# ----- KV events (kv_events_overhead.py, peers/kv_events_conformance.py) -----------------------
+
+class EventRecorder:
+    """A ZMQ SUB socket on a thread keeping every KV-events message as (sequence number, payload),
+    so a slow reader never makes the engine's PUB socket drop; `close` stops it."""
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        import zmq
+
+        self.frames: list[tuple[int, bytes]] = []
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._socket.poll(100):
+                _, seq, payload = self._socket.recv_multipart()
+                self.frames.append((int.from_bytes(seq, "big"), payload))
+
+    def close(self) -> list[tuple[int, bytes]]:
+        self._stop.set()
+        self._thread.join()
+        self._socket.close(linger=0)
+        self._context.term()
+        return self.frames
+
+
 # ----- timing -----------------------------------------------------------------------------------
 
 def timed(run: Callable[[], object]) -> float:

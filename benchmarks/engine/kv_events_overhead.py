@@ -17,12 +17,13 @@ import json
 import random
 import statistics
 import tempfile
-import threading
 import time
 
-import zmq
-
-from benchmarks.support import add_model_flag, add_smoke_flag  # benchmarks/support.py
+from benchmarks.support import (  # benchmarks/support.py
+    EventRecorder,
+    add_model_flag,
+    add_smoke_flag,
+)
 from chunkserve.bench.host import machine
 from chunkserve.config import EngineArgs
 from chunkserve.engine.llm_engine import LLMEngine
@@ -44,33 +45,6 @@ def conversations(chats: int, turns: int, system_len: int, turn_len: int, seed: 
     return chats_out
 
 
-class Counter:
-    """A subscriber draining the events on a thread (a slow one would only make PUB drop)."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.messages = self.bytes = 0
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.connect(endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self._socket.poll(100):
-                frames = self._socket.recv_multipart()
-                self.messages += 1
-                self.bytes += len(frames[2])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._socket.close(linger=0)
-        self._context.term()
-
-
 def run(args: argparse.Namespace, folder: str) -> dict:
     endpoint = f"ipc://{folder}/events"
     engine = LLMEngine(EngineArgs(model=args.model, num_kv_blocks=args.num_kv_blocks, kv_events_config={
@@ -86,7 +60,7 @@ def run(args: argparse.Namespace, folder: str) -> dict:
         costs.append(time.perf_counter() - start)
 
     publisher.publish = timed_publish
-    counter = Counter(endpoint)
+    recorder = EventRecorder(endpoint)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     chats = conversations(args.chats, args.turns, args.system_len, args.turn_len)
     try:
@@ -99,12 +73,12 @@ def run(args: argparse.Namespace, folder: str) -> dict:
                 steps.append(time.perf_counter() - start)
     finally:
         engine.shutdown()
-        counter.close()
+        frames = recorder.close()
     assert len(costs) >= len(steps)
     per_step = [cost / step for cost, step in zip(costs, steps)]
     return {
-        "steps": len(steps), "publish_calls": len(costs), "messages_received": counter.messages,
-        "bytes_received": counter.bytes, "evictions": engine.engine_core.scheduler.kv.pool.num_evictions,
+        "steps": len(steps), "publish_calls": len(costs), "messages_received": len(frames),
+        "bytes_received": sum(len(payload) for _, payload in frames), "evictions": engine.engine_core.scheduler.kv.pool.num_evictions,
         "publish_us": {"p50": statistics.median(costs) * 1e6, "p99": sorted(costs)[int(len(costs) * 0.99)] * 1e6,
                        "max": max(costs) * 1e6},
         "step_ms_p50": statistics.median(steps) * 1e3,  # engine.step() calls, the publish included

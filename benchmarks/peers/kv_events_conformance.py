@@ -21,13 +21,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import httpx
 import msgspec
-import zmq
 
+from benchmarks.support import EventRecorder  # benchmarks/support.py
 from chunkserve.bench.service import Service, free_port, serve_command
 from tests.kv_events_wire import DECODER, index_of
 
@@ -54,34 +53,12 @@ print(json.dumps({"types": types, "failures": failures[:5], "num_failed": len(fa
 """
 
 
-class Recorder:
-    """A SUB socket on a thread, writing each message's frames to `path` as JSON lines."""
-
-    def __init__(self, endpoint: str, path: str) -> None:
-        self.path, self.frames = path, []
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.connect(endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self._socket.poll(100):
-                _, seq, payload = self._socket.recv_multipart()
-                self.frames.append((int.from_bytes(seq, "big"), payload))
-
-    def close(self) -> list[tuple[int, bytes]]:
-        self._stop.set()
-        self._thread.join()
-        self._socket.close(linger=0)
-        self._context.term()
-        with open(self.path, "w") as out:
-            for seq, payload in self.frames:
-                out.write(json.dumps({"seq": seq, "payload": base64.b64encode(payload).decode()}) + "\n")
-        return self.frames
+def save_frames(frames: list[tuple[int, bytes]], path: str) -> str:
+    """The frames as JSON lines (base64 payloads), for the vLLM venv's decoder to read."""
+    with open(path, "w") as out:
+        out.writelines(json.dumps({"seq": seq, "payload": base64.b64encode(payload).decode()}) + "\n"
+                       for seq, payload in frames)
+    return path
 
 
 def drive(url: str, model: str, headers: dict[str, str], reset_path: str) -> None:
@@ -96,7 +73,7 @@ def drive(url: str, model: str, headers: dict[str, str], reset_path: str) -> Non
                                              "temperature": 0}).raise_for_status()
 
 
-def settle(recorder: Recorder) -> None:
+def settle(recorder: EventRecorder) -> None:
     """Wait until no frame arrives for a second (the server is idle after the last request)."""
     count = -1
     while count != len(recorder.frames):
@@ -130,7 +107,7 @@ def chunkserve_run(folder: str) -> dict:
                                "--kv-events-config", json.dumps(config)),
                  os.path.join(folder, "chunkserve.log"), label="chunkserve") as server:
         server.wait_healthy()
-        recorder = Recorder(f"tcp://127.0.0.1:{port}", os.path.join(folder, "chunkserve-frames.jsonl"))
+        recorder = EventRecorder(f"tcp://127.0.0.1:{port}")
         headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
         model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
         drive(server.url, model, headers, "/reset_prefix_cache")
@@ -138,7 +115,8 @@ def chunkserve_run(folder: str) -> dict:
         cached = httpx.get(f"{server.url}/debug/kv_cache_blocks", headers=headers).json()
         frames = recorder.close()
     held = index_of([(seq, DECODER.decode(payload)) for seq, payload in frames])
-    return {"frames": len(frames), "vllm_structs": decode_with_vllm(recorder.path),
+    path = save_frames(frames, os.path.join(folder, "chunkserve-frames.jsonl"))
+    return {"frames": len(frames), "vllm_structs": decode_with_vllm(path),
             "tests_layout": decode_with_tests_layout(frames),
             "index_equals_cached_blocks": held.get("GPU", set()) == set(cached["blocks"]["GPU"])}
 
@@ -151,12 +129,13 @@ def vllm_run(folder: str) -> dict:
     with Service([script, "{port}", "--kv-events-config", json.dumps(config)],
                  os.path.join(folder, "vllm.log"), env=env, label="vllm") as server:
         server.wait_healthy()
-        recorder = Recorder(f"tcp://127.0.0.1:{port}", os.path.join(folder, "vllm-frames.jsonl"))
+        recorder = EventRecorder(f"tcp://127.0.0.1:{port}")
         model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
         drive(server.url, model, {}, "/reset_prefix_cache")
         settle(recorder)
         frames = recorder.close()
-    return {"frames": len(frames), "vllm_structs": decode_with_vllm(recorder.path),
+    path = save_frames(frames, os.path.join(folder, "vllm-frames.jsonl"))
+    return {"frames": len(frames), "vllm_structs": decode_with_vllm(path),
             "tests_layout": decode_with_tests_layout(frames)}
 
 

@@ -8,21 +8,12 @@ import time
 from dataclasses import dataclass
 
 import httpx
-import pytest
 
-from chunkserve.bench.smg import smg_binary, smg_command, smg_workers, wait_smg_workers
+from chunkserve.bench.smg import smg_command, smg_workers, wait_smg_workers
 from tests.server_process import API_KEY, Server, free_port, start_command, stop_server
 
 WORKERS_READY_TIMEOUT_S = 60
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}  # SMG's --api-key guards its own API and is sent to the workers
-
-
-def installed_smg() -> str:
-    """The test is skipped where the fleet extra is not installed (`make test-all` installs it)."""
-    binary = smg_binary()
-    if binary is None:
-        pytest.skip("SMG is not installed: pip install 'chunkserve[fleet]'")
-    return binary
 
 
 @dataclass
@@ -58,7 +49,6 @@ class Gateway:
 def start_smg(tmp_path_factory, *flags: str, workers: int, name: str = "smg") -> Gateway:
     """`smg launch FLAGS` (the harness adds --port), with the tests' API key for the workers;
     returned once `workers` workers are ready."""
-    installed_smg()
     metrics_port = free_port()
     server = start_command(tmp_path_factory, smg_command(*flags, metrics_port=metrics_port, api_key=API_KEY),
                            name=name)

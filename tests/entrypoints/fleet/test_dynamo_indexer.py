@@ -20,14 +20,8 @@ from tests.entrypoints.fleet.event_replicas import (
     stop_event_replicas,
 )
 
-
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture(autouse=True, scope="module")
-def fleet_extra_installed() -> None:
-    """(Checked when a test runs, not at collection: the default tier deselects these without a skip.)"""
-    pytest.importorskip("dynamo.indexer", reason="Dynamo's KV indexer: pip install 'chunkserve[fleet]'")
 NUM_KV_BLOCKS = 40  # 640 tokens a replica: the load below evicts
 VOCAB = (100, 40000)
 

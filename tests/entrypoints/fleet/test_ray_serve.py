@@ -24,11 +24,6 @@ from tests.tiny_model import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fleet_extra_installed() -> None:
-    """(Checked when a test runs, not at collection: the default tier deselects these without a skip.)"""
-    pytest.importorskip("ray.serve", reason="the fleet extra: pip install 'chunkserve[fleet]'")
-
 BLOCK_SIZE = 16  # EngineArgs' default: what a prefix-cache hit is counted in
 REPLICA_HEADER = "x-chunkserve-replica"  # names the replica that answered
 CASES = [  # (route, request fields): greedy and seeded, streamed and not
