@@ -338,8 +338,9 @@ def busiest_share(summary: dict) -> float:
     return statistics.median(shares) if shares else float("nan")
 
 
-def figure(summaries: dict[str, dict], path: str) -> str:
-    """Hit rate, TTFT p50 and the busiest replica's share of requests, one bar per policy."""
+def figure(summaries: dict[str, dict], path: str, host: dict) -> str:
+    """Hit rate, TTFT p50 and the busiest replica's share of requests, one bar per policy; the
+    title names the CPU (`host`: chunkserve.bench.host.machine()'s) and the commit."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -353,6 +354,10 @@ def figure(summaries: dict[str, dict], path: str) -> str:
         ax.bar(list(measured), [pick(s) for s in measured.values()], color="tab:blue")
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    bf16 = "AVX512_BF16" if "avx512_bf16" in host.get("avx512_flags", "") else "no AVX512_BF16"
+    fig.suptitle(f"2 replicas x 1 core, medians of seeds; {host['cpu']} family {host['cpu_family']} model "
+                 f"{host['cpu_model']}, {host['cpus']} CPUs, {'AVX-512' if host['avx512'] else 'AVX2'}, {bf16}; "
+                 f"chunkserve {host['commit']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -411,10 +416,11 @@ def main(argv: list[str] | None = None) -> None:
     summaries = {policy: policy_summary([run for run in runs if run["policy"] == policy]) for policy in args.policies}
     print(table(summaries))
     if args.out:
+        host = machine()
         with open(args.out, "w") as out:
-            json.dump({"machine": machine(), "config": {k: v for k, v in vars(args).items() if k != "out"},
+            json.dump({"machine": host, "config": {k: v for k, v in vars(args).items() if k != "out"},
                        "summary": summaries, "runs": runs}, out, indent=1)
-        print(f"written: {args.out}, {figure(summaries, os.path.splitext(args.out)[0] + '.png')}")
+        print(f"written: {args.out}, {figure(summaries, os.path.splitext(args.out)[0] + '.png', host)}")
 
 
 if __name__ == "__main__":
