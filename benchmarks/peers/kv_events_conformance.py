@@ -8,6 +8,9 @@ the server reports cached (GET /debug/kv_cache_blocks).
 
     .venv/bin/python -m benchmarks.peers.kv_events_conformance [--skip-vllm] [--out FILE]
 
+`--smoke --model DIR`: chunkserve's half on that model, its messages decoded by the tests'
+layout only (no vLLM needed): seconds.
+
 vLLM: benchmarks/peers/setup.sh (hf, vllm), started by start_vllm.sh with VLLM_SERVER_DEV_MODE=1
 (its /reset_prefix_cache). About 3 minutes, most of it vLLM's start.
 """
@@ -100,10 +103,11 @@ def decode_with_tests_layout(frames: list[tuple[int, bytes]]) -> dict:
             "keys": {kind: sorted(names) for kind, names in keys.items()}}
 
 
-def chunkserve_run(folder: str) -> dict:
+def chunkserve_run(folder: str, model_flags: list[str], with_vllm: bool) -> dict:
+    """chunkserve's frames decoded by the tests' layout (`with_vllm`: and by vLLM's structs)."""
     port = free_port()
     config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}
-    with Service(serve_command("--num-kv-blocks", "48", "--admin-api-key", ADMIN_KEY,
+    with Service(serve_command(*model_flags, "--num-kv-blocks", "48", "--admin-api-key", ADMIN_KEY,
                                "--kv-events-config", json.dumps(config)),
                  os.path.join(folder, "chunkserve.log"), label="chunkserve") as server:
         server.wait_healthy()
@@ -116,7 +120,7 @@ def chunkserve_run(folder: str) -> dict:
         frames = recorder.close()
     held = index_of([(seq, DECODER.decode(payload)) for seq, payload in frames])
     path = save_frames(frames, os.path.join(folder, "chunkserve-frames.jsonl"))
-    return {"frames": len(frames), "vllm_structs": decode_with_vllm(path),
+    return {"frames": len(frames), "vllm_structs": decode_with_vllm(path) if with_vllm else None,
             "tests_layout": decode_with_tests_layout(frames),
             "index_equals_cached_blocks": held.get("GPU", set()) == set(cached["blocks"]["GPU"])}
 
@@ -142,18 +146,24 @@ def vllm_run(folder: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-vllm", action="store_true", help="only chunkserve's messages")
+    parser.add_argument("--smoke", action="store_true",
+                        help="chunkserve's messages, decoded by the tests' layout only (no vLLM needed)")
+    parser.add_argument("--model", help="chunkserve's model (default: the default model)")
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kv-events-") as folder:
-        result = {"chunkserve": chunkserve_run(folder)}
-        if not args.skip_vllm:
+        model_flags = ["--model", args.model, "--dtype", "float32"] if args.model else []
+        result = {"chunkserve": chunkserve_run(folder, model_flags, with_vllm=not args.smoke)}
+        if not (args.skip_vllm or args.smoke):
             result["vllm"] = vllm_run(folder)
     print(json.dumps(result, indent=2))
     if args.out:
         with open(args.out, "w") as out:
             json.dump(result, out, indent=2)
-    ok = all(run["frames"] > 0 and run["vllm_structs"]["num_failed"] == 0 and run["tests_layout"]["num_failed"] == 0
-             for run in result.values()) and result["chunkserve"]["index_equals_cached_blocks"]
+    ok = all(run["frames"] > 0 and (run["vllm_structs"] or {"num_failed": 0})["num_failed"] == 0
+             and run["tests_layout"]["num_failed"] == 0 for run in result.values())
+    ok = ok and result["chunkserve"]["index_equals_cached_blocks"]
+    print("conformance:", "ok" if ok else "FAILED")
     sys.exit(0 if ok else 1)
 
 

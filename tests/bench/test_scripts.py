@@ -27,14 +27,16 @@ from tests.server_process import ADMIN_API_KEY, API_KEY
 
 BENCHMARKS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 REPOSITORY = os.path.dirname(BENCHMARKS)
-# benchmarks/kernels: kernel micro-benchmarks; benchmarks/engine: engine studies; benchmarks/fleet: routers before replicas
-KINDS = ("kernels", "engine", "fleet")
+# benchmarks/kernels: kernel micro-benchmarks; benchmarks/engine: engine studies; benchmarks/fleet: routers before
+# replicas; benchmarks/peers: the peers' set-up and conformance against them (beside their launch scripts)
+KINDS = ("kernels", "engine", "fleet", "peers")
 SMOKE_TIMEOUT_S = 180
 PARALLEL_RUNS = 2
 
 # script -> (its smoke run's arguments, a line its output must contain). Placeholders: {tiny} the tiny
-# model's Hugging Face folder, {tmp} a folder of the run's, {url} the tiny model's server, {trace} a step
-# trace and {sweep} a sweep's out_dir (summary.json, machine.json) written by `inputs`.
+# model's Hugging Face folder, {tiny_gguf} its GGUF file, {tmp} a folder of the run's, {url} the tiny
+# model's server, {trace} a step trace and {sweep} a sweep's out_dir (summary.json, machine.json)
+# written by `inputs`.
 SMOKE: dict[str, tuple[list[str], str]] = {
     # kernel micro-benchmarks: the smallest shapes
     "decode_attention": (["--smoke"], "| current |"),
@@ -74,6 +76,9 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "multi_turn": (["--dry-run"], "16 chats x 6 turns"),
     "event_router": (["--help"], "--overlap-weight"),
     "pd_routers": (["--dry-run"], "decode (core 1):"),
+    # peers: the conversion they load, and chunkserve's half of the KV events conformance (no vLLM here)
+    "gguf_to_hf": (["--gguf", "{tiny_gguf}", "--out", "{tmp}/hf"], "architectures=['LlamaForCausalLM']"),
+    "kv_events_conformance": (["--smoke", "--model", "{tiny}"], "conformance: ok"),
     # trace and sweep analyses: small files in the formats they read
     "margin_replay": (["{trace}"], "| p99 x level of last 4 (default) |"),
     "predictor_accuracy": (["{trace}"], "decode only"),
@@ -153,6 +158,8 @@ def inputs(request, tmp_path_factory, parts: list[str]) -> dict[str, str]:
     """The placeholders' values, each made only if a selected run uses it."""
     used = " ".join(parts)
     values = {}
+    if "{tiny_gguf}" in used:
+        values["tiny_gguf"] = request.getfixturevalue("tiny_gguf")
     if "{tiny}" in used:
         tiny_gguf = request.getfixturevalue("tiny_gguf")
         values["tiny"] = os.path.join(os.path.dirname(tiny_gguf), "hf")  # its Hugging Face source folder

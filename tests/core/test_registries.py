@@ -312,6 +312,6 @@ def test_an_entry_left_behind_is_reported(plant):
     elif plant == "encoder":
         scheduler.encoder.cache.allocate("ghost", image("x", 0, 3))
     else:
-        scheduler.draft_policy.set_shadow("ghost", 7)
+        scheduler.drafting.policy.set_shadow("ghost", 7)
     leaks = scheduler.leaks()
     assert leaks and all(problem.startswith(f"{plant}.") for problem in leaks), leaks

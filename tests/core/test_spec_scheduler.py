@@ -179,7 +179,7 @@ def test_a_request_in_the_middle_of_its_prompt_gets_no_drafts():
         if long.num_output_tokens == 0:
             assert long.spec_token_ids == []
             # (its tokens so far repeat: only the prompt rule keeps drafts away)
-            could_draft += bool(scheduler.ngram.propose(long.prompt_token_ids[:long.num_computed_tokens], 10_000))
+            could_draft += bool(scheduler.drafting.ngram.propose(long.prompt_token_ids[:long.num_computed_tokens], 10_000))
         assert by_id(output)["d"].draft_token_ids  # the decode beside it keeps drafting
     assert chunks > 2 and could_draft > 0
     assert long.spec_token_ids  # its prompt done and its first token out: drafts for its first decode
@@ -212,7 +212,7 @@ def test_preemption_drops_pending_drafts():
 
 def test_no_spec_decode_stats_without_a_config():
     assert make_scheduler().stats().spec_decode is None
-    assert make_scheduler().draft_policy is None
+    assert make_scheduler().drafting.policy is None
 
 
 # ----- the draft policy's state -----------------------------------------------------------------
@@ -232,7 +232,7 @@ def test_a_request_that_ends_leaves_no_policy_state(end):
         scheduler.add_request(r)
     for _ in range(2):
         step(scheduler, runner)
-    policy = scheduler.draft_policy
+    policy = scheduler.drafting.policy
     assert "r" in policy._requests and policy.rate("r") != policy.rate("never-seen")
     if end == "abort":
         scheduler.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
@@ -251,9 +251,9 @@ def test_auto_without_a_step_time_model_drafts_and_learns():
     scheduler.add_request(request)
     step(scheduler, runner)
     assert request.spec_token_ids == [2, 3, 1]
-    before = scheduler.draft_policy.rate("r")
+    before = scheduler.drafting.policy.rate("r")
     step(scheduler, runner)
-    assert scheduler.draft_policy.rate("r") > before  # every draft held
+    assert scheduler.drafting.policy.rate("r") > before  # every draft held
 
 
 # ----- a draft model in the worker ---------------------------------------------------------------
@@ -289,7 +289,7 @@ def decode_until(scheduler, runner, request, steps):
 
 def test_a_draft_model_is_asked_for_k_proposals_with_lookahead_blocks():
     scheduler = make_scheduler(speculative=DRAFT_MODEL)
-    assert scheduler.ngram is None
+    assert scheduler.drafting.ngram is None
     runner = DraftingRunner()
     request = make_request("r", 4, max_tokens=30)
     scheduler.add_request(request)

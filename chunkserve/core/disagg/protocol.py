@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chunkserve.core.messages import TokenLogprobs
+
+if TYPE_CHECKING:  # request.py imports this module's TransferParams
+    from chunkserve.core.request import Request
 
 MAX_ROOM = 2**63 - 1
 
@@ -43,6 +46,13 @@ class FirstToken:
     logprobs: TokenLogprobs | None
     generator_state: bytes | None  # a seeded request's generator after the first draw
     num_cached_tokens: int  # prompt tokens the prefill side found in its prefix cache
+
+    def continue_as_decode(self, request: Request) -> None:
+        """The decode side's request takes the first token and the state after it, as if it had
+        sampled it itself."""
+        request.output_token_ids.append(self.token_id)
+        request.generator_state = self.generator_state
+        request.num_cached_tokens = self.num_cached_tokens
 
     def to_wire(self) -> dict[str, Any]:
         logprobs = None if self.logprobs is None else [self.logprobs.token_id, self.logprobs.logprob,

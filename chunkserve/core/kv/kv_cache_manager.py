@@ -33,6 +33,7 @@ from chunkserve.core.kv.block_pool import BlockPool
 from chunkserve.core.kv.events import KVEventLog
 from chunkserve.core.multimodal import MultiModalFeature
 from chunkserve.core.request import Request
+from chunkserve.errors import InvalidRequestError
 
 ROOT_HASH = b""  # the parent of a request's first block
 
@@ -106,6 +107,18 @@ class KVCacheManager:
             return [], 0
         blocks = self.cached_run(self.block_hashes_for(request, (request.num_tokens - 1) // self.block_size))
         return blocks, len(blocks) * self.block_size
+
+    def cached_run_for_import(self, block_hashes: list[bytes], has_payload: list[bool], num_tokens: int) -> list[int]:
+        """The cached run that begins an imported request's `num_tokens` (its blocks named by
+        `block_hashes`; `has_payload[i]`: block i's KV came with it). Raises if a block after the
+        run came without its KV: nothing here could fill it."""
+        cached = self.cached_run(block_hashes) if self.enable_caching else []
+        missing = [i for i in range(len(cached), self.num_blocks_for(num_tokens)) if not has_payload[i]]
+        if missing:
+            raise InvalidRequestError(f"snapshot block {missing[0]}'s KV was left out but this engine's prefix cache "
+                                      "does not hold it after the blocks before it: export the request again with "
+                                      "its payload")
+        return cached
 
     def cached_run(self, block_hashes: Iterable[bytes]) -> list[int]:
         """The cached blocks of the longest run of `block_hashes` from the first."""

@@ -160,3 +160,9 @@ class EncoderInputs:
 
     def registry_sizes(self) -> dict[str, int]:
         return self.cache.registry_sizes()
+
+    def stats(self) -> dict[str, int]:
+        """The encoder's counters, as SchedulerStats' fields."""
+        return {"encoder_inputs_total": self.num_encoder_inputs_total,
+                "encoder_embeds_total": self.num_encoder_embeds_total,
+                "encoder_cache_hits_total": self.num_cache_hits_total}

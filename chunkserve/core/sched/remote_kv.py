@@ -54,9 +54,21 @@ class RemoteKV:
         self._remote_kv_tokens[request.request_id] = num_tokens
         return True
 
-    def take_loaded(self, request_id: str) -> int | None:
-        """The tokens computed once the request's load landed (None: it was not loading)."""
-        return self._remote_kv_tokens.pop(request_id, None)
+    def finished_loads(self, request_ids: Iterable[str], invalid_block_ids: set[int]) -> list[tuple[str, int]]:
+        """The loads the worker reports landed, as (request id, tokens computed), for the requests
+        that were loading: one whose blocks failed to load (`invalid_block_ids`) computes from
+        its first such block."""
+        landed = []
+        for request_id in request_ids:
+            num_tokens = self._remote_kv_tokens.pop(request_id, None)
+            if num_tokens is None:
+                continue
+            table = self.kv.block_table(request_id) if invalid_block_ids else []
+            first_bad = next((i for i, block_id in enumerate(table) if block_id in invalid_block_ids), None)
+            if first_bad is not None:
+                num_tokens = min(num_tokens, first_bad * self.kv.block_size)
+            landed.append((request_id, num_tokens))
+        return landed
 
     def release_sent(self, request_ids: Iterable[str]) -> None:
         """The connector sent these finished requests' KV: their held blocks are freed (the

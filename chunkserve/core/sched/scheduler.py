@@ -35,19 +35,13 @@ back if its step is voided; a preemption resets it), a request whose step sample
 scheduled again until its token is back, and a prompt's next chunk may ride the next step,
 since every stage runs the steps in order and finds the chunk before it in its KV.
 
-Images (a request's `mm_features`): a prompt chunk that reaches an image needs its encoder
-output; which images are encoded in a step, from the encoder cache's room and the step's encoder
-budget, and where a chunk ends around them, belongs to encoder_inputs.py.
-
-Structured outputs (a grammar per request, core/structured/): a request waits, without holding
-anyone up, until its grammar is compiled; each row that samples gets its grammar's token
-bitmask (drafts are first cut at the first token the grammar refuses); the grammar advances by
-the accepted tokens only, and a grammar that is complete finishes its request.
-
 This class is the loop; what a request needs beyond its counters lives with the collaborator
 that uses it: what the worker has been sent (sent.py), the KV the connector loads or still
 sends (remote_kv.py), draft budgets and acceptance rates (core/spec_decode/drafts.py), grammars
-(grammars.py), the chunk policy's clock, the KV manager's tables. Finishing a request asks each
+(grammars.py: a request waits for its grammar's compile without holding anyone up, its rows get
+the grammar's bitmask, and a complete grammar finishes it), images (encoder_inputs.py: which
+images a step encodes and where a chunk ends around them), the chunk policy's clock, the KV
+manager's tables. Finishing a request asks each
 owner to forget it; `registry_sizes()` counts every table keyed by request id, and the engine's
 self-check reports any left non-empty when nothing is unfinished (a leak).
 """
@@ -73,8 +67,6 @@ from chunkserve.core.sched.remote_kv import RemoteKV
 from chunkserve.core.sched.sent import SentToWorker
 from chunkserve.core.sched.step_builder import StepBuilder
 from chunkserve.core.spec_decode.drafts import DraftBudget
-from chunkserve.core.spec_decode.ngram import NgramProposer
-from chunkserve.core.spec_decode.policy import DraftPolicy
 from chunkserve.core.stats import SchedulerStats
 from chunkserve.core.step_predictor import StepTimePredictor
 from chunkserve.core.stop import check_stop
@@ -138,13 +130,8 @@ class Scheduler:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.encoder.check_request(request)
         num_computed = request.num_computed_tokens
-        cached = self.kv.cached_run(block_hashes) if self.kv.enable_caching else []
+        cached = self.kv.cached_run_for_import(block_hashes, has_payload, num_computed)
         num_blocks = self.kv.num_blocks_for(num_computed)
-        missing = [i for i in range(len(cached), num_blocks) if not has_payload[i]]
-        if missing:
-            raise InvalidRequestError(f"snapshot block {missing[0]}'s KV was left out but this engine's prefix cache "
-                                      "does not hold it after the blocks before it: export the request again with "
-                                      "its payload")
         if num_computed and len(self.running) + self.remote_kv.num_loading >= self.config.max_num_seqs:
             raise ServerOverloadedError(f"{self.config.max_num_seqs} requests are already running; retry the "
                                         "import later")
@@ -194,10 +181,8 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions,
             prefix_cache_queries_total=self.prefix_cache_queries,
             prefix_cache_hits_total=self.prefix_cache_hits,
-            spec_decode=None if self.draft_policy is None else self.draft_policy.stats(),
-            encoder_inputs_total=self.encoder.num_encoder_inputs_total,
-            encoder_embeds_total=self.encoder.num_encoder_embeds_total,
-            encoder_cache_hits_total=self.encoder.num_cache_hits_total,
+            spec_decode=None if self.drafting.policy is None else self.drafting.policy.stats(),
+            **self.encoder.stats(),
             **self.remote_kv.stats(),
         )
 
@@ -291,14 +276,6 @@ class Scheduler:
     @property
     def pipelined(self) -> bool:
         return self.config.max_steps_in_flight > 1
-
-    @property
-    def draft_policy(self) -> DraftPolicy | None:
-        return self.drafting.policy
-
-    @property
-    def ngram(self) -> NgramProposer | None:
-        return self.drafting.ngram
 
     def void_step(self, output: SchedulerOutput) -> None:
         """The step failed: nothing it scheduled was computed (the counters were never
@@ -444,22 +421,14 @@ class Scheduler:
         token with them), blocks sent, transfers failed. Returns the outputs this makes."""
         self.connector.update_connector_output(runner_output.kv_connector_output)
         outputs = []
-        invalid = runner_output.invalid_block_ids
-        for request_id in runner_output.finished_recving:
+        for request_id, num_tokens in self.remote_kv.finished_loads(runner_output.finished_recving,
+                                                                     runner_output.invalid_block_ids):
             request = self.requests.get(request_id)
-            num_tokens = self.remote_kv.take_loaded(request_id)
-            if request is None or num_tokens is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
-            if invalid:  # a block failed to load: the request computes from the first such block
-                table = self.kv.block_table(request_id)
-                first_bad = next((i for i, block_id in enumerate(table) if block_id in invalid), None)
-                if first_bad is not None:
-                    num_tokens = min(num_tokens, first_bad * self.config.block_size)
             first = self.connector.take_first_token(request_id)
             if first is not None:  # sampled by the prefill instance: this request continues as a decode
-                request.output_token_ids.append(first.token_id)
-                request.generator_state = first.generator_state
-                request.num_cached_tokens = first.num_cached_tokens
+                first.continue_as_decode(request)
             request.num_computed_tokens = min(num_tokens, request.num_tokens - 1)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = request.num_computed_tokens
