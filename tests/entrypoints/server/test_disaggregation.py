@@ -579,6 +579,7 @@ def test_a_request_larger_than_the_decode_pool_is_refused_at_admission(cluster, 
     idle(small, cluster[256].prefill)
 
 
+@pytest.mark.slow  # its own decode instance: the refusal is checked on every CI run, in the long tier
 def test_a_different_kv_layout_is_refused_at_bootstrap(cluster, model, tmp_path_factory):
     other = start_instance(tmp_path_factory, model, "--disaggregation-mode", "decode", "--block-size", "32",
                            name="decode-bs32")

@@ -130,6 +130,7 @@ def test_two_nodes_on_loopback_equal_tp1_and_shut_down_clean(tmp_path_factory, t
                 process.kill()
 
 
+@pytest.mark.slow  # the default tier starts two nodes with --headless
 def test_two_nodes_through_torchrun_equal_tp1(tmp_path_factory, tiny_dir, expected):
     port, http_port = master_port(), free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
@@ -206,6 +207,7 @@ def test_a_worker_killed_mid_stream_fails_its_requests_and_health_within_seconds
             server.process.kill()
 
 
+@pytest.mark.slow  # the default tier kills a worker mid-stream
 def test_a_worker_killed_while_idle_fails_health_within_seconds(tmp_path_factory, tiny_dir):
     port = master_port()
     server = start_server(tmp_path_factory, "--model", tiny_dir, "--num-kv-blocks", "64", "-tp", "2",
