@@ -55,6 +55,7 @@ class ParallelContext:
     tp_ranks: tuple[int, ...] = (0,)  # their global ranks, tp_rank order
     prev_rank: int | None = None  # the previous stage's rank with this tp_rank (PP)
     next_rank: int | None = None
+    fixed_order_reduce: bool = False  # deterministic mode: `all_reduce` sums in rank order
     stats: CommStats = field(default_factory=CommStats)
 
     @staticmethod
@@ -62,11 +63,12 @@ class ParallelContext:
         return ParallelContext()
 
     @staticmethod
-    def from_world(rank: int, split: ParallelConfig, num_layers: int) -> ParallelContext:
+    def from_world(rank: int, split: ParallelConfig, num_layers: int,
+                   fixed_order_reduce: bool = False) -> ParallelContext:
         """Rank `rank`'s context in an initialized world of the split's ranks (its numbering:
         each stage's TP ranks consecutive), running its stage's share of `num_layers`. Every
         rank must call it: each creates every stage's TP group, in the same order, as
-        torch.distributed requires."""
+        torch.distributed requires. `fixed_order_reduce`: see `all_reduce`."""
         tp_size, pp_size = split.tensor_parallel_size, split.pipeline_parallel_size
         tp_rank, pp_rank = split.tp_rank(rank), split.pp_rank(rank)
         layers = split.stage_layers(num_layers, pp_rank)
@@ -79,7 +81,7 @@ class ParallelContext:
         return ParallelContext(
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, layers=layers, tp_group=tp_group,
             tp_ranks=tp_ranks, prev_rank=rank - tp_size if pp_rank > 0 else None,
-            next_rank=rank + tp_size if pp_rank < pp_size - 1 else None,
+            next_rank=rank + tp_size if pp_rank < pp_size - 1 else None, fixed_order_reduce=fixed_order_reduce,
         )
 
     @property
@@ -91,11 +93,22 @@ class ParallelContext:
         return self.pp_rank == self.pp_size - 1
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the TP ranks, in place (a row-parallel layer's partial outputs)."""
+        """Sum over the TP ranks, in place (a row-parallel layer's partial outputs). gloo's ring
+        adds each slice of the tensor in an order that depends on where the slice falls, so an
+        element's sum can change with the row count from three ranks on; with
+        `fixed_order_reduce` every rank gathers the parts and adds them in rank order (tp_size
+        times the bytes), the same bits for every row count."""
         if self.tp_size == 1:
             return tensor
         start = time.perf_counter()
-        dist.all_reduce(tensor, group=self.tp_group)
+        if self.fixed_order_reduce:
+            parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+            dist.all_gather(parts, tensor.contiguous(), group=self.tp_group)
+            tensor.copy_(parts[0])
+            for part in parts[1:]:
+                tensor.add_(part)
+        else:
+            dist.all_reduce(tensor, group=self.tp_group)
         self.stats.add(tensor.numel() * tensor.element_size(), time.perf_counter() - start)
         return tensor
 
