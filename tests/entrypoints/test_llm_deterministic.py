@@ -1,0 +1,98 @@
+"""Deterministic mode end to end (`LLM(deterministic=True)`): each request's tokens and logprobs
+have the same bits under every chunking of its prompt (token budgets 1 to 512, no chunking, a
+chunk schedule, a TBT SLO), with or without a prefix-cache hit, after a preemption, with
+speculative verification and in any arrival order, greedy and seeded, in bfloat16 mode (the
+default dtype where the CPU has it) and in float32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from chunkserve import LLM, SamplingParams
+from chunkserve.config.cpu import native_bf16
+from tests.engine.support import assert_pool_free
+from tests.engine.tiny_llm_support import TINY, build_llm
+
+MAX_MODEL_LEN = 512
+PROMPT_LENGTHS = (1, 17, 40, 100, 257, 300, 5, 64)
+SHARED_PREFIX = 48  # three blocks of 16
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True, logprobs=5)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+         "policy": "always"}
+CONFIGURATIONS = {
+    "budget 1": dict(max_num_batched_tokens=1, block_size=1, max_num_seqs=1),  # a budget holds a block and the decodes
+    "budget 16": dict(max_num_batched_tokens=16),
+    "budget 48": dict(max_num_batched_tokens=48),
+    "budget 512": dict(max_num_batched_tokens=512),
+    "no chunking": dict(enable_chunked_prefill=False),
+    "chunk schedule": dict(max_num_batched_tokens=256, chunk_schedule="256:64:4:256"),
+    "tbt slo": dict(max_num_batched_tokens=256, tbt_slo_ms=60),
+    "preempted": dict(max_num_batched_tokens=64, num_kv_blocks=40),
+    "speculative": dict(max_num_batched_tokens=64, speculative_config=NGRAM),
+}
+# float32 runs the configurations that change the most: row counts, recomputes, verification rows
+FLOAT32_CONFIGURATIONS = ("budget 1", "preempted", "speculative")
+DTYPES = [pytest.param("bfloat16", marks=pytest.mark.skipif(not native_bf16(), reason="needs native bfloat16")),
+          "float32"]
+
+
+def signature(outputs) -> list[tuple]:
+    """Per request: its tokens and every logprob returned, as exact floats."""
+    return [(tuple(o.outputs[0].token_ids),
+             tuple(tuple(sorted((token, entry.logprob) for token, entry in step.items()))
+                   for step in o.outputs[0].logprobs)) for o in outputs]
+
+
+def deterministic_llm(tiny_gguf: str, dtype: str, **engine_args) -> LLM:
+    engine_args.setdefault("enable_prefix_caching", False)
+    return build_llm(TINY, tiny_gguf, MAX_MODEL_LEN, dtype=dtype, deterministic=True, **engine_args)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_gguf) -> list[list[int]]:
+    """Random prompts of mixed lengths; those long enough share their first three blocks."""
+    rng = np.random.default_rng(7)
+    shared = rng.integers(0, 49152, SHARED_PREFIX).tolist()
+    prompts = [rng.integers(0, 49152, n).tolist() for n in PROMPT_LENGTHS]
+    return [shared + p[SHARED_PREFIX:] if len(p) > SHARED_PREFIX else p for p in prompts]
+
+
+@pytest.fixture(scope="module", params=DTYPES)
+def reference(request, tiny_gguf, prompts) -> tuple[str, list[tuple]]:
+    """Per dtype: every prompt greedy and seeded, on a budget-64 engine without prefix caching."""
+    llm = deterministic_llm(tiny_gguf, request.param, max_num_batched_tokens=64)
+    outputs = llm.generate(prompts * 2, [GREEDY] * len(prompts) + [SEEDED] * len(prompts), use_tqdm=False)
+    return request.param, signature(outputs)
+
+
+@pytest.mark.parametrize("name", CONFIGURATIONS)
+def test_the_same_bits_under_every_chunking_preemption_and_verification(reference, tiny_gguf, prompts, name):
+    dtype, expected = reference
+    if dtype == "float32" and name not in FLOAT32_CONFIGURATIONS:
+        pytest.skip("float32 runs the configurations listed in FLOAT32_CONFIGURATIONS; bfloat16 runs all")
+    llm = deterministic_llm(tiny_gguf, dtype, **CONFIGURATIONS[name])
+    outputs = llm.generate(prompts * 2, [GREEDY] * len(prompts) + [SEEDED] * len(prompts), use_tqdm=False)
+    assert signature(outputs) == expected
+    records = llm.get_step_records()
+    if name == "preempted":
+        assert sum(r.num_preemptions for r in records) > 0
+    if name == "speculative":
+        assert sum(r.num_draft_tokens for r in records) > 0
+    assert_pool_free(llm)
+
+
+def test_a_prefix_cache_hit_and_the_arrival_order_change_no_bit(reference, tiny_gguf, prompts):
+    dtype, expected = reference
+    llm = deterministic_llm(tiny_gguf, dtype, max_num_batched_tokens=48, enable_prefix_caching=True)
+    warm = [p[:SHARED_PREFIX] + [1, 2, 3] for p in prompts if len(p) > SHARED_PREFIX]
+    llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
+    order = list(reversed(range(len(prompts))))
+    outputs = llm.generate([prompts[i] for i in order] * 2,
+                           [GREEDY] * len(prompts) + [SEEDED] * len(prompts), use_tqdm=False)
+    assert sum(o.num_cached_tokens for o in outputs) >= SHARED_PREFIX * len(warm)
+    got = signature(outputs)
+    n = len(prompts)
+    assert [got[order.index(i)] for i in range(n)] == expected[:n]
+    assert [got[n + order.index(i)] for i in range(n)] == expected[n:]
