@@ -11,7 +11,7 @@ import torch
 from chunkserve import SamplingParams
 from chunkserve.worker.gumbel import gumbel_argmax, request_seed
 from chunkserve.worker import sampler
-from chunkserve.worker.sampler import SamplingState, sample, sample_runs
+from chunkserve.worker.sampler import SamplingState, gather_logprobs, sample, sample_runs
 
 VOCAB = 12
 EOS = 11
@@ -109,3 +109,12 @@ def test_verification_gives_exactly_the_tokens_of_plain_decoding(params):
         runs = sample_runs(logits.clone(), [det_state(params, seed=11, length=6)], [drafts],
                            torch.Generator().manual_seed(wrong_at))
         assert runs == [plain[: wrong_at + 1]]
+
+
+def test_a_rows_logprobs_are_the_same_alone_and_in_a_batch():
+    """The runner takes logprobs from all its rows' log_softmax at once: torch computes each row
+    alone, which deterministic mode relies on."""
+    logits = torch.randn(40, 49_152, generator=torch.Generator().manual_seed(2)) * 3  # SmolLM2's vocabulary
+    batched = gather_logprobs(logits.log_softmax(dim=-1), [1] * 40, [5] * 40)
+    for row in (0, 17, 39):
+        assert gather_logprobs(logits[row : row + 1].log_softmax(dim=-1), [1], [5]) == [batched[row]]
