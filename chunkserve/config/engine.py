@@ -145,9 +145,10 @@ class EngineArgs:
         "are bit-identical whatever else is in its batch, however its prompt is chunked, whether its prefix came from "
         "the cache, whether it was preempted and recomputed or verified speculatively, and in whatever order requests "
         "arrive; sampled requests draw by Gumbel-max over a hash of (seed, position, token), so a seeded request's "
-        "tokens depend only on its seed (unseeded: --seed and the request id). Holds within one tensor-parallel size and one CPU kind. "
-        f"Also turned on by {BATCH_INVARIANT_ENV}=1 in the environment (vLLM's switch). Needs the C++ ops (--op-backend "
-        "torch is refused) and no --int8-activations", aliases=("--enable-deterministic-inference",)
+        "tokens depend only on its seed (unseeded: --seed and the request id). Holds within one tensor-parallel size "
+        f"and one CPU kind. Also turned on by {BATCH_INVARIANT_ENV}=1 in the environment (vLLM's switch). Needs the "
+        "C++ ops (--op-backend torch is refused) and no --int8-activations",
+        aliases=("--enable-deterministic-inference",)
     )
     cpu_omp_threads_bind: str | None = arg(
         None, "the CPUs of the engine's compute threads, as vLLM's VLLM_CPU_OMP_THREADS_BIND (read when this flag is "

@@ -31,11 +31,11 @@ from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.vlm.encoder import VisionEncoder
 from chunkserve.ops.cpp_ops import cpp_ops_for, model_ops_for
+from chunkserve.worker.gumbel import request_seed
 from chunkserve.worker.input_batch import ForwardBatch, build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_pool, layer_caches, read_blocks, write_blocks
 from chunkserve.worker.multimodal_inputs import MultiModalInputs
 from chunkserve.worker.persistent_batch import PersistentBatch
-from chunkserve.worker.gumbel import request_seed
 from chunkserve.worker.sampler import InvalidRowsError, SamplingState, gather_logprobs, sample_runs
 from chunkserve.worker.draft_model import DraftModelProposer
 

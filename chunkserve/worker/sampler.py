@@ -134,8 +134,8 @@ def _expand_rows(states: list[SamplingState], drafts: list[list[int]]) -> tuple[
 
 def _check_rows(logits: torch.Tensor, row_states: list[SamplingState], owner: list[int]) -> _CheckedRows:
     """Each row's chosen token (argmax, or Gumbel-max draw in deterministic mode) and, for the
-    rows that sample, its filtered distribution; raises
-    InvalidRowsError naming the owners of the rows with no valid distribution, before any draw."""
+    rows that sample, its filtered distribution; raises InvalidRowsError naming the owners of
+    the rows with no valid distribution, before any draw."""
     chosen = logits.argmax(dim=-1)
     # argmax picks a NaN where a row has one, so checking the picked logits checks the greedy rows
     bad = (~logits.gather(1, chosen.unsqueeze(1)).squeeze(1).isfinite()).tolist()
