@@ -96,7 +96,8 @@ def measure_mode(deterministic: bool, args: argparse.Namespace, log_dir: str) ->
 def main() -> None:
     args = parse_args()
     log_dir = tempfile.mkdtemp(prefix="determinism-")
-    rows = [row for deterministic in (False, True) for row in measure_mode(deterministic, args, log_dir)]
+    modes = (True,) if args.smoke else (False, True)  # the smoke run: one server start, not two
+    rows = [row for deterministic in modes for row in measure_mode(deterministic, args, log_dir)]
     host = machine()
     print(f"{args.n} identical requests of {args.max_tokens} tokens, waves of 1-{args.max_concurrency}, "
           f"on {host['cpu']} (server logs: {log_dir})\n")

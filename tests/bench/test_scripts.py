@@ -59,7 +59,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "multimodal": (["--smoke", "--model-dir", "{tmp}/model", "--json", "{tmp}/multimodal.json"],
                    "| (d) text arrivals (baseline) |"),
     # server studies: the ones that need peers or minutes of serving run dry; engine_death runs
-    # for real on the tiny model (one server, seconds), determinism too (two servers, a few requests each),
+    # for real on the tiny model (one server, seconds), determinism too (its deterministic server, a few requests),
     # hostile against the tiny model's server
     "spec_decode": (["--dry-run", "--model", "{tiny}", "--streams", "1", "--requests-per-stream", "1",
                      "--min-requests", "1", "--check-outputs", "0"], "round 1: vllm-ngram"),
