@@ -33,6 +33,7 @@ DTYPE_ALIASES = {"float": "float32"}
 DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES, "half", "float16")
 OP_BACKENDS = ("auto", "cpp", "torch")
 EXECUTOR_BACKENDS = ("uni", "mp")
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"  # vLLM's switch for its batch-invariant mode; read as --deterministic
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,16 @@ class EngineArgs:
         "linear layers of small batches, fused norm/rotary/SiLU; torch = plain torch (the reference); auto = "
         "cpp where it builds", choices=OP_BACKENDS
     )
+    deterministic: bool = arg(
+        False, "deterministic inference: for a given model, dtype and parallel configuration, every request's logits "
+        "are bit-identical whatever else is in its batch, however its prompt is chunked, whether its prefix came from "
+        "the cache, whether it was preempted and recomputed or verified speculatively, and in whatever order requests "
+        "arrive; sampled requests draw by Gumbel-max over a hash of (seed, position, token), so a seeded request's "
+        "tokens depend only on its seed (unseeded: --seed and the request id). Holds within one tensor-parallel size "
+        f"and one CPU kind. Also turned on by {BATCH_INVARIANT_ENV}=1 in the environment (vLLM's switch). Needs the "
+        "C++ ops (--op-backend torch is refused) and no --int8-activations",
+        aliases=("--enable-deterministic-inference",)
+    )
     cpu_omp_threads_bind: str | None = arg(
         None, "the CPUs of the engine's compute threads, as vLLM's VLLM_CPU_OMP_THREADS_BIND (read when this flag is "
         "not given): auto (the default) = one thread per CPU this process may use (its affinity, capped by its "
@@ -186,6 +197,7 @@ class EngineArgs:
             _fail(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.op_backend not in OP_BACKENDS:
             _fail(f"op_backend must be one of {OP_BACKENDS}, got {self.op_backend!r}")
+        self._check_deterministic()
         cache, connectors = self.cache_config(), self.kv_connector_config()
         if connectors.kv_tier.enable_hierarchical_cache and not cache.enable_prefix_caching:
             _fail("enable_hierarchical_cache needs enable_prefix_caching: the disk tier finds blocks by their "
@@ -215,6 +227,19 @@ class EngineArgs:
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
             _fail(f"generation_config must be auto, vllm or a folder holding a generation_config.json; "
                   f"{self.generation_config!r} is not a folder")
+
+    def _check_deterministic(self) -> None:
+        """Turns the mode on where vLLM's environment switch asks for it, and refuses the flags
+        whose kernels give a row different bits in different batches."""
+        self.deterministic = self.deterministic or _batch_invariant_env()
+        if not self.deterministic:
+            return
+        if self.op_backend == "torch":
+            _fail("--deterministic needs the C++ ops: --op-backend torch multiplies with MKL, whose GEMM blocking "
+                  "depends on the row count, so a row's bits depend on its batch; use --op-backend auto or cpp")
+        if self.int8_activations:
+            _fail("--deterministic cannot be combined with --int8-activations yet (8-bit activations serve only "
+                  "steps of a few rows, so a row's numerics depend on its batch): leave one of the two off")
 
     def _check_executor(self, parallel: ParallelConfig) -> None:
         """The executor's flags against the ranks: one CPU list per local rank, uni runs one."""
@@ -363,6 +388,15 @@ class EngineArgs:
             request_limits=self.request_limits(max_model_len),
             kv_events=self.kv_events(),
         )
+
+
+def _batch_invariant_env() -> bool:
+    """vLLM's VLLM_BATCH_INVARIANT: an integer, nonzero for on (unset: off)."""
+    value = os.environ.get(BATCH_INVARIANT_ENV, "0").strip() or "0"
+    try:
+        return int(value) != 0
+    except ValueError:
+        _fail(f"{BATCH_INVARIANT_ENV} must be 0 or 1 (it turns on --deterministic), got {value!r}")
 
 
 def _fail(message: str) -> None:

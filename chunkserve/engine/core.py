@@ -460,6 +460,7 @@ class EngineCore:
             sampled_request_ids=tuple(s.request_id for s in scheduled.scheduled if s.sample) if pipelined else (),
             ranks=tuple(dataclasses.asdict(r) for r in runner_output.rank_stats) if len(runner_output.rank_stats) > 1
             else (),
+            deterministic=self.config.deterministic,
         )
         self.step_records.append(record)
         self._next_step_id += 1

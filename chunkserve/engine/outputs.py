@@ -111,6 +111,7 @@ class StepRecord:
     # several ranks: one dict per rank (RankStepStats): rank, its step's seconds (compute_s, its collectives
     # included), and its collectives (comm_ops, comm_bytes, comm_s)
     ranks: tuple[dict, ...] = ()
+    deterministic: bool = False  # the engine runs in deterministic mode (--deterministic)
 
     def to_dict(self) -> dict:
         """One line of a step trace (JSON-ready)."""

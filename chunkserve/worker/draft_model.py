@@ -37,12 +37,15 @@ class DraftModelProposer:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.kernels: AttentionKernels | None = None
+        self.deterministic = False  # the target's mode: its drafts are then the same in any batch
 
-    def bind(self, num_blocks: int, block_size: int, cpp_ops: CppOps | None, kernels: AttentionKernels | None) -> None:
-        """Allocate its KV pool over the target's block ids, and use the target's ops."""
+    def bind(self, num_blocks: int, block_size: int, cpp_ops: CppOps | None, kernels: AttentionKernels | None,
+             deterministic: bool = False) -> None:
+        """Allocate its KV pool over the target's block ids, and use the target's ops and mode."""
         self.kv_caches = layer_caches(allocate_kv_pool(self.config, self.model.compute_dtype, num_blocks, block_size))
         self.block_size = block_size
         self.kernels = kernels
+        self.deterministic = deterministic
         self.model.set_ops(model_ops_for(cpp_ops, self.model.compute_dtype))
 
     def propose(self, batch: ForwardBatch, scheduled: list[ScheduledRequest], token_ids: Mapping[str, list[int]],

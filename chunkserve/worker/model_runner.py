@@ -12,7 +12,12 @@ With several ranks (model/parallel.py) every rank runs every step on its shard: 
 after the first starts from the previous stage's (hidden, residual), a stage before the last
 sends its own on, and only the last stage's first tensor-parallel rank samples. The ranks then
 take every request's tokens from the steps (`tokens_from_steps`: ScheduledRequest.new_token_ids)
-rather than from their own sampling, so they all hold the same histories."""
+rather than from their own sampling, so they all hold the same histories.
+
+In deterministic mode (`--deterministic`) every request samples by Gumbel-max with a seed of its
+own (its seed, else one derived from the engine's seed and its id: sampler.py, gumbel.py), and
+the ops must give a row the same bits in any batch, which plain torch cannot: the C++ ops are
+required."""
 
 from __future__ import annotations
 
@@ -21,11 +26,12 @@ import torch
 
 from chunkserve.core.kv_connector import KVConnectorWorker, NoOpConnector
 from chunkserve.core.messages import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
-from chunkserve.errors import RequestFailedError
+from chunkserve.errors import InvalidRequestError, RequestFailedError
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.vlm.encoder import VisionEncoder
 from chunkserve.ops.cpp_ops import cpp_ops_for, model_ops_for
+from chunkserve.worker.gumbel import request_seed
 from chunkserve.worker.input_batch import ForwardBatch, build_forward_batch
 from chunkserve.worker.kv_cache import allocate_kv_pool, layer_caches, read_blocks, write_blocks
 from chunkserve.worker.multimodal_inputs import MultiModalInputs
@@ -40,11 +46,13 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int, seed: int,
                  op_backend: str = "auto", kv_connector: KVConnectorWorker | None = None,
                  kv_config: ModelConfig | None = None, tokens_from_steps: bool = False,
-                 drafter: DraftModelProposer | None = None, encoder: VisionEncoder | None = None) -> None:
+                 drafter: DraftModelProposer | None = None, encoder: VisionEncoder | None = None,
+                 deterministic: bool = False) -> None:
         """`kv_config`: the shape of this rank's share of the KV (its layers and KV heads; default
         `config`, all of them). `drafter`: speculative decoding's draft model, which proposes the
         next drafts of the requests the scheduler asks (`num_draft_proposals`). `encoder`: a
-        vision-language model's vision encoder, whose outputs the runner caches."""
+        vision-language model's vision encoder, whose outputs the runner caches. `deterministic`:
+        batch-invariant numerics and seeded Gumbel-max sampling (EngineArgs.deterministic)."""
         self.model = model
         self.parallel = model.parallel
         self.vocab_size = config.vocab_size
@@ -54,6 +62,8 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype  # of the activations between stages
         self.kv_pool = allocate_kv_pool(kv_config or config, model.compute_dtype, num_blocks, block_size)
         self.kv_caches = layer_caches(self.kv_pool)
+        self.seed = seed
+        self.deterministic = deterministic
         self.generator = torch.Generator().manual_seed(seed)
         self.kv_connector = kv_connector or NoOpConnector()
         self.kv_connector.register_kv_caches(self.kv_pool)
@@ -63,10 +73,13 @@ class ModelRunner:
         self.drafter = drafter
         self.multimodal = None if encoder is None else MultiModalInputs(encoder)
         self.cpp_ops = cpp_ops_for(op_backend)
+        if deterministic and self.cpp_ops is None:
+            raise InvalidRequestError("--deterministic needs the C++ ops, which could not be built here (see the "
+                                      "warning above): plain torch gives a row different bits in different batches")
         self.attention_kernels = None if self.cpp_ops is None else self.cpp_ops.attention_kernels()
         model.set_ops(model_ops_for(self.cpp_ops, model.compute_dtype, model.int8_activations))
         if drafter is not None:
-            drafter.bind(num_blocks, block_size, self.cpp_ops, self.attention_kernels)
+            drafter.bind(num_blocks, block_size, self.cpp_ops, self.attention_kernels, deterministic)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -270,8 +283,17 @@ class ModelRunner:
             generator=generator,
             # an imported request with output had its prompt logprobs handed out by the engine it came from
             prompt_logprobs=[None] if params.prompt_logprobs is not None and not new.output_token_ids else None,
+            gumbel_seed=self._gumbel_seed(new),
         )
         return state, problem
+
+    def _gumbel_seed(self, new: NewRequestData) -> int | None:
+        """Deterministic mode: the request's seed, else one derived from the engine's and its id
+        (the samples of an n > 1 request have ids of their own, so they differ)."""
+        if not self.deterministic:
+            return None
+        seed = new.sampling_params.seed
+        return request_seed(self.seed, new.request_id) if seed is None else seed
 
     # ----- KV and sampler state in and out (snapshots, KV tiers) ------------------------------
 

@@ -1,6 +1,10 @@
 """Logits -> next tokens: grammar bitmasks (structured outputs), allowed tokens and bad words,
 penalties, min_tokens, then greedy or temperature/top-k/top-p/min-p sampling. Seeded requests
-draw from their own generator, so their stream is reproducible whatever else shares the batch."""
+draw from their own generator, so their stream is reproducible whatever else shares the batch.
+In deterministic mode (`SamplingState.gumbel_seed`) a row's distribution is computed alone and
+drawn from by Gumbel-max over hashed noise (gumbel.py), so its token depends only on its
+logits, its seed and its position; speculative verification then accepts a draft where it is
+that token, as for greedy rows, and gives exactly the tokens of plain decoding."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 
 from chunkserve.core.messages import TokenLogprobs
 from chunkserve.sampling_params import SamplingParams
+from chunkserve.worker.gumbel import gumbel_argmax
 
 
 @dataclass
@@ -26,6 +31,13 @@ class SamplingState:
     # prompt_logprobs: the records gathered so far, index i for prompt token i (None for the first, which
     # nothing predicts); None when not asked for, or once handed out with the first sampled token
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    gumbel_seed: int | None = None  # deterministic mode: the seed of the request's Gumbel-max draws
+
+    @property
+    def takes_chosen(self) -> bool:
+        """Whether the token at each row is the row's chosen one (`_CheckedRows.chosen`: the
+        argmax, or the Gumbel-max draw) rather than a draw from a generator."""
+        return self.params.is_greedy or self.gumbel_seed is not None
 
     @property
     def num_output_tokens(self) -> int:
@@ -93,7 +105,7 @@ _DRAWN_LATER = -1  # a run's last token, drawn by _draw_last_tokens with every r
 class _CheckedRows(NamedTuple):
     """The rows of one sample_runs call once every one was found valid."""
 
-    chosen: list[int]  # each row's argmax
+    chosen: list[int]  # each row's argmax, or for a deterministic row that samples, its Gumbel-max draw
     probs: torch.Tensor | None  # float64 [sampled rows, vocab]: the filtered distribution of each row that samples
     cdf: torch.Tensor | None  # probs' cumulative sums
     position: dict[int, int]  # row -> its index in probs and cdf
@@ -121,22 +133,37 @@ def _expand_rows(states: list[SamplingState], drafts: list[list[int]]) -> tuple[
 
 
 def _check_rows(logits: torch.Tensor, row_states: list[SamplingState], owner: list[int]) -> _CheckedRows:
-    """Each row's argmax and, for the rows that sample, its filtered distribution; raises
-    InvalidRowsError naming the owners of the rows with no valid distribution, before any draw."""
+    """Each row's chosen token (argmax, or Gumbel-max draw in deterministic mode) and, for the
+    rows that sample, its filtered distribution; raises InvalidRowsError naming the owners of
+    the rows with no valid distribution, before any draw."""
     chosen = logits.argmax(dim=-1)
     # argmax picks a NaN where a row has one, so checking the picked logits checks the greedy rows
     bad = (~logits.gather(1, chosen.unsqueeze(1)).squeeze(1).isfinite()).tolist()
     random_rows = [i for i, s in enumerate(row_states) if not s.params.is_greedy]
     probs = cdf = None
+    chosen = chosen.tolist()
     if random_rows:
-        probs = _filtered_probs(logits[random_rows], [row_states[i].params for i in random_rows]).double()
+        probs = _random_rows_probs(logits, [row_states[i] for i in random_rows], random_rows)
         cdf = probs.cumsum(dim=-1)
         totals = cdf[:, -1]
         for row, valid in zip(random_rows, ((totals > 0) & totals.isfinite()).tolist()):
             bad[row] = not valid
     if any(bad):
         raise InvalidRowsError(sorted({owner[i] for i, b in enumerate(bad) if b}))
-    return _CheckedRows(chosen.tolist(), probs, cdf, {row: i for i, row in enumerate(random_rows)})
+    for index, row in enumerate(random_rows):
+        state = row_states[row]
+        if state.gumbel_seed is not None:  # its position: the index its token will have in the sequence
+            chosen[row] = gumbel_argmax(probs[index], state.gumbel_seed, len(state.token_ids))
+    return _CheckedRows(chosen, probs, cdf, {row: i for i, row in enumerate(random_rows)})
+
+
+def _random_rows_probs(logits: torch.Tensor, states: list[SamplingState], rows: list[int]) -> torch.Tensor:
+    """The filtered distributions (float64) of the rows that sample: all at once, or in
+    deterministic mode one row at a time, so that no row's numbers depend on the others."""
+    if any(state.gumbel_seed is not None for state in states):
+        return torch.cat([_filtered_probs(logits[row : row + 1], [state.params]) for row, state in zip(rows, states)]
+                         ).double()
+    return _filtered_probs(logits[rows], [state.params for state in states]).double()
 
 
 def _verify_drafts(state: SamplingState, drafts: list[int], first_row: int, rows: _CheckedRows,
@@ -152,8 +179,9 @@ def _verify_drafts(state: SamplingState, drafts: list[int], first_row: int, rows
 
 def _accepts(state: SamplingState, draft: int, row: int, rows: _CheckedRows,
              default_generator: torch.Generator) -> bool:
-    """Greedy: the draft is the row's argmax. Sampled: a uniform draw accepts it with probability p(draft)."""
-    if state.params.is_greedy:
+    """Greedy or deterministic: the draft is the row's chosen token. Sampled: a uniform draw
+    accepts it with probability p(draft)."""
+    if state.takes_chosen:
         return rows.chosen[row] == draft
     p = rows.probs[rows.position[row]]
     uniform = torch.rand(1, generator=state.generator or default_generator, dtype=torch.float64)
@@ -162,9 +190,9 @@ def _accepts(state: SamplingState, draft: int, row: int, rows: _CheckedRows,
 
 def _token_instead(state: SamplingState, rejected: int, row: int, rows: _CheckedRows,
                    default_generator: torch.Generator) -> int:
-    """The target's token at a rejected draft's row: the argmax, or a draw from the row's
-    distribution without the rejected draft (renormalised)."""
-    if state.params.is_greedy:
+    """The target's token at a rejected draft's row: the chosen one (greedy, deterministic), or
+    a draw from the row's distribution without the rejected draft (renormalised)."""
+    if state.takes_chosen:
         return rows.chosen[row]
     residual = rows.probs[rows.position[row]].clone()
     residual[rejected] = 0.0
@@ -173,16 +201,16 @@ def _token_instead(state: SamplingState, rejected: int, row: int, rows: _Checked
 
 def _draw_last_tokens(runs: list[list[int]], last_draws: list[tuple[int, int]], states: list[SamplingState],
                       rows: _CheckedRows, default_generator: torch.Generator) -> None:
-    """Replaces the _DRAWN_LATER ending each run of `last_draws` with its row's token: the argmax
-    for greedy states, one batched draw for the others. In place."""
-    drawn = [(index, row) for index, row in last_draws if not states[index].params.is_greedy]
+    """Replaces the _DRAWN_LATER ending each run of `last_draws` with its row's token: the chosen
+    one for greedy and deterministic states, one batched draw for the others. In place."""
+    drawn = [(index, row) for index, row in last_draws if not states[index].takes_chosen]
     if drawn:
         tokens = _draw(rows.cdf[[rows.position[row] for _, row in drawn]], [states[i].generator for i, _ in drawn],
                        default_generator).tolist()
         for (index, _), token in zip(drawn, tokens):
             runs[index][-1] = token
     for index, row in last_draws:
-        if states[index].params.is_greedy:
+        if states[index].takes_chosen:
             runs[index][-1] = rows.chosen[row]
 
 

@@ -112,7 +112,7 @@ class Worker:
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size, config.seed,
                                   config.op_backend, self.kv_connector, self.kv_config,
                                   tokens_from_steps=config.tokens_from_steps, drafter=self.drafter,
-                                  encoder=self.encoder)
+                                  encoder=self.encoder, deterministic=config.deterministic)
         _return_freed_memory()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

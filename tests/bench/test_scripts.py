@@ -61,7 +61,8 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "multimodal": (["--smoke", "--model-dir", "{tmp}/model", "--json", "{tmp}/multimodal.json"],
                    "| (d) text arrivals (baseline) |"),
     # server studies: the ones that need peers or minutes of serving run dry; engine_death runs
-    # for real on the tiny model (one server, seconds), hostile against the tiny model's server
+    # for real on the tiny model (one server, seconds), determinism too (its deterministic server, a few requests),
+    # hostile against the tiny model's server
     "spec_decode": (["--dry-run", "--model", "{tiny}", "--streams", "1", "--requests-per-stream", "1",
                      "--min-requests", "1", "--check-outputs", "0"], "round 1: vllm-ngram"),
     "structured_outputs": (["--dry-run", "--sampler-iterations", "2"], "round 2: chunkserve"),
@@ -69,6 +70,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "pd_interference": (["--dry-run"], "(c) streams only"),
     "shared_host": (["--variant", f"after {REPOSITORY}", "--dry-run"], "after: in "),
     "engine_death": (["--repeat", "1", "--", "--model", "{tiny}"], "exit_code"),
+    "determinism": (["--smoke", "--model", "{tiny}"], "| deterministic | temperature 0.8, seed |"),
     "hostile": (["--url", "{url}", "--api-key", API_KEY, "--admin-api-key", ADMIN_API_KEY, "--cases",
                  "bearer_case,admin_endpoints", "--bystanders", "1", "--bystander-tokens", "4",
                  "--drain-timeout", "20"], "2/2 cases passed"),

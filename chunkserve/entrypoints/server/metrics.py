@@ -88,6 +88,7 @@ def cache_config_labels(engine_args: EngineArgs) -> dict[str, str]:
         "enable_prefix_caching": str(engine_args.enable_prefix_caching),
         "prefix_caching_hash_algo": "sha256",
         "num_gpu_blocks_override": str(engine_args.num_kv_blocks),
+        "deterministic": str(engine_args.deterministic),  # chunkserve's: whether a hit gives the bits of a miss
     }
 
 

@@ -50,7 +50,7 @@ SHOWN_ENGINE_ARGS = (
     "disaggregation_waiting_timeout", "disaggregation_heartbeat_interval",
     "disaggregation_heartbeat_max_failures", "disaggregation_kv_lease_timeout",
     "disaggregation_transfer_window", "tensor_parallel_size", "pipeline_parallel_size", "pp_layer_partition",
-    "distributed_executor_backend", "nnodes", "node_rank", "master_addr", "master_port", "op_backend",
+    "distributed_executor_backend", "nnodes", "node_rank", "master_addr", "master_port", "op_backend", "deterministic",
     "cpu_omp_threads_bind", "speculative_config", "structured_outputs_config", "seed", "max_prompt_chars",
     "max_stop_sequences", "max_stop_sequence_chars", "max_stop_token_ids", "max_logit_bias", "limit_mm_per_prompt",
     "allowed_media_domains", "max_image_bytes", "max_image_pixels",

@@ -103,7 +103,8 @@ def test_kv_cache_usage_under_both_names_and_the_cache_config_as_labels(metrics)
     metrics.observe(None, [], stats(num_free_blocks=48, num_blocks=64))
     assert value(metrics, "kv_cache_usage_perc") == value(metrics, "gpu_cache_usage_perc") == 0.25
     config = {"block_size": "16", "cache_dtype": "float32", "enable_prefix_caching": "True",
-              "prefix_caching_hash_algo": "sha256", "num_gpu_blocks_override": "64"}
+              "prefix_caching_hash_algo": "sha256", "num_gpu_blocks_override": "64",
+              "deterministic": "False"}
     assert value(metrics, "cache_config_info", **config, num_gpu_blocks="64") == 1
     metrics.observe(None, [], stats(num_free_blocks=100, num_blocks=100))  # a new engine core, a new pool
     info = [s for family in text_string_to_metric_families(metrics.render().decode())

@@ -129,6 +129,7 @@ def test_get_server_info_shows_the_settings_without_the_keys():
         info = http.get("/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert info["model"] == "tiny.gguf" and info["max_model_len"] == 128 and info["cpu_threads"] == {"threads": 1}
     assert info["dtype"] == EngineArgs().dtype and info["served_model_name"] is None
+    assert info["deterministic"] is False
     assert "api_key" not in info and "admin_api_key" not in info
     assert API_KEY not in json.dumps(info) and ADMIN_KEY not in json.dumps(info)
 
