@@ -22,6 +22,13 @@
 // The cache is float32 or bfloat16 (kv_element.h): a tile's keys, and for bfloat16 its values,
 // are widened to float32 as they are copied into the tile's buffers, so the products above run
 // on float32 alone.
+//
+// Deterministic mode (issue 42): a row's arithmetic is already a function of its absolute
+// position alone (key tiles at absolute positions 0, 64, ...; one online-softmax order; keys
+// past the row add exact zeros), except for a micro-tile short of six rows, which takes other
+// code; in the mode it is padded to six. Decode rows then run here as 1-row chunks
+// (deterministic_decode_attention), so decode, prefill and verification rows share their bits.
+// Threads split (kv head, positions) units, independent outputs, never one row's keys.
 #include "ops.h"
 #include "cpu_isa.h"
 #include "kv_element.h"
@@ -191,12 +198,18 @@ void tile_values(const float* probs, int64_t rows, const float* const* values, i
   }
 }
 
-// One kv head j, positions [first, last) of the chunk: writes their rows of `out`.
+// One kv head j, positions [first, last) of the chunk: writes their rows of `out`. Where
+// `deterministic`, a micro-tile short of kMicroRows rows is padded with rows whose results are
+// dropped, so that every row takes the full micro-tile's code whatever its place: its bits then
+// depend only on its absolute position (the key tiles start at absolute positions already).
 template <typename T>
-void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, float* out, bool avx512) {
+void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, float* out, bool avx512,
+                 bool deterministic) {
   constexpr bool kWidenValues = !std::is_same_v<T, float>;  // float32 values are read in place
   const int64_t D = p.D, rows = (last - first) * p.G;
-  std::vector<float> keys_t(D * kKeyTile), scores(kMicroRows * kKeyTile);
+  // aligned: the vectorized loops over a row's scores never peel by the heap's address
+  alignas(64) float scores[kMicroRows * kKeyTile];
+  std::vector<float> keys_t(D * kKeyTile), padding_acc(deterministic ? D : 0);
   std::vector<float> widened_values(kWidenValues ? kKeyTile * D : 0);
   std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f), acc(rows * D, 0.f);
   std::vector<const float*> values(kKeyTile);
@@ -221,15 +234,17 @@ void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, fl
       const int64_t micro = std::min(kMicroRows, rows - r0);
       const int64_t top_position = p.start + first + (r0 + micro - 1) / p.G;
       if (tile > top_position) continue;  // every key of the tile is after every row's query
+      const int64_t computed = deterministic ? kMicroRows : micro;  // with the padding rows
       const float* queries[kMicroRows];
       float* row_acc[kMicroRows];
-      for (int64_t r = 0; r < micro; ++r) {
-        queries[r] = p.query(j, first, r0 + r);
-        row_acc[r] = acc.data() + (r0 + r) * D;
+      for (int64_t r = 0; r < computed; ++r) {
+        queries[r] = r < micro ? p.query(j, first, r0 + r) : queries[0];
+        row_acc[r] = r < micro ? acc.data() + (r0 + r) * D : padding_acc.data();
       }
-      tile_scores(queries, micro, keys_t.data(), D, scores.data(), avx512);
+      tile_scores(queries, computed, keys_t.data(), D, scores, avx512);
+      std::fill(scores + micro * kKeyTile, scores + computed * kKeyTile, 0.f);  // padding rows add nothing
       for (int64_t r = 0; r < micro; ++r) {
-        float* row = scores.data() + r * kKeyTile;
+        float* row = scores + r * kKeyTile;
         const int64_t seen =  // the tile's keys at or before the row's position
             std::clamp<int64_t>(p.start + first + (r0 + r) / p.G - tile + 1, 0, keys);
         float tile_max = kNegInf;
@@ -251,7 +266,7 @@ void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, fl
           for (int64_t d = 0; d < D; ++d) row_acc[r][d] *= rescale;
         }
       }
-      tile_values(scores.data(), micro, values.data(), keys, D, row_acc, avx512);
+      tile_values(scores, computed, values.data(), keys, D, row_acc, avx512);
     }
   }
   for (int64_t i = 0; i < rows; ++i) {
@@ -262,40 +277,88 @@ void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, fl
   }
 }
 
+// The checks of both entry points: q float32 [rows, heads, D], the caches contiguous, of one dtype and
+// [slots, kv_heads, D], heads a multiple of kv heads, and every block id of `tables` in the cache.
+void check_inputs(const char* name, const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const torch::Tensor& tables, int64_t block_size) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == v_cache.scalar_type(), name,
+              ": q float32, the caches of one dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), name, ": contiguous caches");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.size(2) == q.size(2), name, ": q [n, heads, D], caches [slots, kv_heads, D]");
+  TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.is_contiguous() && block_size > 0, name,
+              ": int64 block tables, a positive block size");
+  const int64_t* blocks = tables.data_ptr<int64_t>();
+  const int64_t num_blocks = k_cache.size(0) / block_size;
+  TORCH_CHECK(std::all_of(blocks, blocks + tables.numel(), [&](int64_t b) { return b >= 0 && b < num_blocks; }),
+              name, ": a block id outside the cache");
+}
+
 }  // namespace
 
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                      torch::Tensor block_table, int64_t start, int64_t block_size, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_prefill_attention: q float32, the caches of one dtype");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 1,
-              "paged_prefill_attention: a 1-d int64 block table");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_prefill_attention: contiguous caches");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
-              k_cache.size(2) == q.size(2), "paged_prefill_attention: q [n, heads, D], caches [slots, kv_heads, D]");
+                                      torch::Tensor block_table, int64_t start, int64_t block_size, double scale,
+                                      bool deterministic) {
   q = q.contiguous();
   block_table = block_table.contiguous();
+  TORCH_CHECK(block_table.dim() == 1, "paged_prefill_attention: a 1-d int64 block table");
+  check_inputs("paged_prefill_attention", q, k_cache, v_cache, block_table, block_size);
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(block_size > 0 && start >= 0 && start + n <= block_table.size(0) * block_size,
-              "chunk out of the block table");
-  const int64_t* blocks = block_table.data_ptr<int64_t>();
-  const int64_t num_blocks = k_cache.size(0) / block_size;
-  TORCH_CHECK(std::all_of(blocks, blocks + block_table.size(0), [&](int64_t b) { return b >= 0 && b < num_blocks; }),
-              "paged_prefill_attention: a block id outside the cache");
+  TORCH_CHECK(start >= 0 && start + n <= block_table.size(0) * block_size, "chunk out of the block table");
   auto out = torch::empty_like(q);
   float* out_data = out.data_ptr<float>();
   // Units (kv head, position tile), the last position tiles (the most keys) first.
   const int64_t tiles = (n + kPositionTile - 1) / kPositionTile, units = tiles * KVH;
   CHUNKSERVE_DISPATCH_KV(k_cache.scalar_type(), "paged_prefill_attention", [&] {
     const Problem<scalar_t> problem{q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                    blocks, start, H, KVH, D, H / KVH, block_size, static_cast<float>(scale)};
+                                    block_table.data_ptr<int64_t>(), start, H, KVH, D, H / KVH, block_size,
+                                    static_cast<float>(scale)};
     const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       for (int64_t unit = next++; unit < units; unit = next++) {
         const int64_t tile = tiles - 1 - unit / KVH, j = unit % KVH;
-        attend_unit(problem, j, tile * kPositionTile, std::min(n, (tile + 1) * kPositionTile), out_data, avx512);
+        attend_unit(problem, j, tile * kPositionTile, std::min(n, (tile + 1) * kPositionTile), out_data, avx512,
+                    deterministic);
+      }
+    });
+  });
+  return out;
+}
+
+torch::Tensor deterministic_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                             torch::Tensor block_tables, torch::Tensor context_lens,
+                                             int64_t block_size, double scale) {
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  check_inputs("deterministic_decode_attention", q, k_cache, v_cache, block_tables, block_size);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0) &&
+              context_lens.scalar_type() == torch::kInt64,
+              "deterministic_decode_attention: tables [B, blocks], int64 lens [B]");
+  const int64_t batch = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  std::vector<int64_t> order(batch);  // the longest contexts first
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "context length out of the block table");
+    order[b] = b;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  auto out = torch::empty_like(q);
+  float* out_data = out.data_ptr<float>();
+  const int64_t units = batch * KVH;
+  CHUNKSERVE_DISPATCH_KV(k_cache.scalar_type(), "deterministic_decode_attention", [&] {
+    const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t unit = next++; unit < units; unit = next++) {
+        const int64_t b = order[unit / KVH], j = unit % KVH;
+        const Problem<scalar_t> row{q.data_ptr<float>() + b * H * D, k_cache.data_ptr<scalar_t>(),
+                                    v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>() + b * max_blocks,
+                                    lens[b] - 1, H, KVH, D, H / KVH, block_size, static_cast<float>(scale)};
+        attend_unit(row, j, 0, 1, out_data + b * H * D, avx512, true);  // a 1-row chunk at its position
       }
     });
   });
