@@ -198,83 +198,187 @@ void tile_values(const float* probs, int64_t rows, const float* const* values, i
   }
 }
 
-// One kv head j, positions [first, last) of the chunk: writes their rows of `out`. Where
+// The 16 rows r[0 .. 15] of a 16 x 16 block transposed in place: afterwards r[c] lane i holds what
+// r[i] lane c held. Interleaved pairs, then 4 x 4 blocks within 128-bit lanes, then the lanes.
+CHUNKSERVE_AVX512_TARGET inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved: 2x2 blocks
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 4x4 blocks within each 128-bit lane
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: rows 4q+i of groups 0,1 and 2,3
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// keys_t[d * kKeyTile + k] = element d of key row k widened, for k < keys, and 0 past them, with
+// AVX-512 and D a multiple of 16: each 16 keys x 16 dims block transposed in registers.
+template <typename T>
+CHUNKSERVE_AVX512_TARGET void transpose_keys_avx512(const T* const* rows, int64_t keys, int64_t D, float* keys_t) {
+  for (int64_t k0 = 0; k0 < kKeyTile; k0 += 16) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 r[16];
+      for (int64_t i = 0; i < 16; ++i) r[i] = k0 + i < keys ? kv::load16(rows[k0 + i] + d0) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t c = 0; c < 16; ++c) _mm512_storeu_ps(keys_t + (d0 + c) * kKeyTile + k0, r[c]);
+    }
+  }
+}
+
+CHUNKSERVE_AVX512_TARGET inline void widen_row_avx512(const c10::BFloat16* row, int64_t D, float* out) {
+  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, kv::load16(row + d));
+}
+
+// Asks for the key and value rows of kv head j at `position`: a tile's rows lie in blocks anywhere
+// in the pool, where the hardware prefetcher does not follow.
+template <typename T>
+void prefetch_row(const Problem<T>& p, int64_t j, int64_t position) {
+  constexpr int64_t kLine = 64;
+  const int64_t offset = (p.slot(position) * p.KVH + j) * p.D, row_bytes = p.D * int64_t(sizeof(T));
+  for (int64_t line = 0; line < row_bytes; line += kLine) {
+    __builtin_prefetch(reinterpret_cast<const char*>(p.k_cache + offset) + line, 0, 3);
+    __builtin_prefetch(reinterpret_cast<const char*>(p.v_cache + offset) + line, 0, 3);
+  }
+}
+
+// Key tile `tile` (`keys` keys) of kv head j into the unit's buffers, the next one's rows
+// (before end_key) prefetched: its keys transposed and widened into keys_t (0 past `keys`: those scores are never used), and values[k] key k's value
+// row as float32 (in place in a float32 cache, else widened into `widened`). A copy: its
+// route (transposed in registers or element by element) never changes a bit of the result.
+template <typename T>
+void load_tile(const Problem<T>& p, int64_t j, int64_t tile, int64_t keys, int64_t end_key, float* keys_t,
+               float* widened, const float** values, bool avx512) {
+  const int64_t D = p.D;
+  const T* rows[kKeyTile];
+  const int64_t next_keys = std::min(kKeyTile, end_key - tile - kKeyTile);  // the next tile's
+  for (int64_t k = 0; k < keys; ++k) {
+    if (k < next_keys) prefetch_row(p, j, tile + kKeyTile + k);  // it arrives while this tile is computed
+    const int64_t offset = (p.slot(tile + k) * p.KVH + j) * D;
+    rows[k] = p.k_cache + offset;
+    if constexpr (std::is_same_v<T, float>) {
+      values[k] = p.v_cache + offset;
+    } else {
+      float* value = widened + k * D;
+      if (avx512 && D % 16 == 0) {
+        widen_row_avx512(p.v_cache + offset, D, value);
+      } else {
+        for (int64_t d = 0; d < D; ++d) value[d] = kv::widen(p.v_cache[offset + d]);
+      }
+      values[k] = value;
+    }
+  }
+  if (avx512 && D % 16 == 0) return transpose_keys_avx512(rows, keys, D, keys_t);
+  for (int64_t k = 0; k < kKeyTile; ++k)
+    for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + k] = k < keys ? kv::widen(rows[k][d]) : 0.f;
+}
+
+// One unit of work, kv head j and positions [first, last) of a chunk: its buffers, and each row's
+// running max, sum and weighted value sum (online softmax), fed one key tile at a time. Where
 // `deterministic`, a micro-tile short of kMicroRows rows is padded with rows whose results are
 // dropped, so that every row takes the full micro-tile's code whatever its place: its bits then
 // depend only on its absolute position (the key tiles start at absolute positions already).
 template <typename T>
+class Unit {
+ public:
+  Unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, bool avx512, bool deterministic)
+      : p_(p), j_(j), first_(first), rows_((last - first) * p.G), end_key_(p.start + last), avx512_(avx512),
+        deterministic_(deterministic), keys_t_(p.D * kKeyTile), padding_acc_(deterministic ? p.D : 0),
+        widened_values_(std::is_same_v<T, float> ? 0 : kKeyTile * p.D),  // float32 values: read in place
+        row_max_(rows_, kNegInf), row_sum_(rows_, 0.f), acc_(rows_ * p.D, 0.f), values_(kKeyTile) {}
+
+  int64_t end_key() const { return end_key_; }  // keys 0 .. end_key - 1 are seen by some row
+
+  // The keys tile .. tile + kKeyTile - 1 (a multiple of kKeyTile) that are before end_key.
+  void attend_tile(int64_t tile) {
+    const int64_t keys = std::min(kKeyTile, end_key_ - tile);
+    load_tile(p_, j_, tile, keys, end_key_, keys_t_.data(), widened_values_.data(), values_.data(), avx512_);
+    for (int64_t r0 = 0; r0 < rows_; r0 += kMicroRows) attend_micro_tile(r0, tile, keys);
+  }
+
+  // Each row's output, acc / sum, into its place in `out` ([positions, heads, D] from `first`).
+  void finish(float* out) const {
+    for (int64_t i = 0; i < rows_; ++i) {
+      const float inverse = 1.f / row_sum_[i];
+      float* result = out + ((first_ + i / p_.G) * p_.H + j_ * p_.G + i % p_.G) * p_.D;
+#pragma omp simd
+      for (int64_t d = 0; d < p_.D; ++d) result[d] = acc_[i * p_.D + d] * inverse;
+    }
+  }
+
+ private:
+  void attend_micro_tile(int64_t r0, int64_t tile, int64_t keys) {
+    const int64_t micro = std::min(kMicroRows, rows_ - r0);
+    if (tile > p_.start + first_ + (r0 + micro - 1) / p_.G) return;  // every key is after every row's query
+    const int64_t computed = deterministic_ ? kMicroRows : micro;  // with the padding rows
+    const float* queries[kMicroRows];
+    float* row_acc[kMicroRows];
+    for (int64_t r = 0; r < computed; ++r) {
+      queries[r] = r < micro ? p_.query(j_, first_, r0 + r) : queries[0];
+      row_acc[r] = r < micro ? acc_.data() + (r0 + r) * p_.D : padding_acc_.data();
+    }
+    tile_scores(queries, computed, keys_t_.data(), p_.D, scores_, avx512_);
+    std::fill(scores_ + micro * kKeyTile, scores_ + computed * kKeyTile, 0.f);  // padding rows add nothing
+    for (int64_t r = 0; r < micro; ++r) {
+      const int64_t seen =  // the tile's keys at or before the row's position
+          std::clamp<int64_t>(p_.start + first_ + (r0 + r) / p_.G - tile + 1, 0, keys);
+      softmax_step(r0 + r, scores_ + r * kKeyTile, seen, row_acc[r]);
+    }
+    tile_values(scores_, computed, values_.data(), keys, p_.D, row_acc, avx512_);
+  }
+
+  // Row i's scores of a tile -> its weights (exp relative to the new running max), its sum and
+  // value sum rescaled to that max.
+  void softmax_step(int64_t i, float* row, int64_t seen, float* row_acc) {
+    float tile_max = kNegInf;
+    for (int64_t k = 0; k < seen; ++k) tile_max = std::max(tile_max, row[k] * p_.scale);
+    const float new_max = std::max(row_max_[i], tile_max);
+    const float rescale = std::exp(row_max_[i] - new_max);  // 0 on the first tile
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t k = 0; k < seen; ++k) {
+      row[k] = std::exp(row[k] * p_.scale - new_max);
+      total += row[k];
+    }
+    std::fill(row + seen, row + kKeyTile, 0.f);
+    row_sum_[i] = row_sum_[i] * rescale + total;
+    row_max_[i] = new_max;
+    if (rescale != 1.f) {
+#pragma omp simd
+      for (int64_t d = 0; d < p_.D; ++d) row_acc[d] *= rescale;
+    }
+  }
+
+  const Problem<T>& p_;
+  const int64_t j_, first_, rows_, end_key_;
+  const bool avx512_, deterministic_;
+  // aligned: the vectorized loops over a row's scores never peel by the stack's address
+  alignas(64) float scores_[kMicroRows * kKeyTile];
+  std::vector<float> keys_t_, padding_acc_, widened_values_, row_max_, row_sum_, acc_;
+  std::vector<const float*> values_;
+};
+
+// One kv head j, positions [first, last) of the chunk: writes their rows of `out`.
+template <typename T>
 void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, float* out, bool avx512,
                  bool deterministic) {
-  constexpr bool kWidenValues = !std::is_same_v<T, float>;  // float32 values are read in place
-  const int64_t D = p.D, rows = (last - first) * p.G;
-  // aligned: the vectorized loops over a row's scores never peel by the heap's address
-  alignas(64) float scores[kMicroRows * kKeyTile];
-  std::vector<float> keys_t(D * kKeyTile), padding_acc(deterministic ? D : 0);
-  std::vector<float> widened_values(kWidenValues ? kKeyTile * D : 0);
-  std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f), acc(rows * D, 0.f);
-  std::vector<const float*> values(kKeyTile);
-  const int64_t end_key = p.start + last;  // keys 0 .. start + last - 1 are seen by some row
-  for (int64_t tile = 0; tile < end_key; tile += kKeyTile) {
-    const int64_t keys = std::min(kKeyTile, end_key - tile);
-    for (int64_t k = 0; k < keys; ++k) {
-      const int64_t offset = (p.slot(tile + k) * p.KVH + j) * D;
-      const T* key = p.k_cache + offset;
-      for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + k] = kv::widen(key[d]);
-      if constexpr (kWidenValues) {
-        float* value = widened_values.data() + k * D;
-        for (int64_t d = 0; d < D; ++d) value[d] = kv::widen(p.v_cache[offset + d]);
-        values[k] = value;
-      } else {
-        values[k] = p.v_cache + offset;
-      }
-    }
-    for (int64_t k = keys; k < kKeyTile; ++k)
-      for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + k] = 0.f;
-    for (int64_t r0 = 0; r0 < rows; r0 += kMicroRows) {
-      const int64_t micro = std::min(kMicroRows, rows - r0);
-      const int64_t top_position = p.start + first + (r0 + micro - 1) / p.G;
-      if (tile > top_position) continue;  // every key of the tile is after every row's query
-      const int64_t computed = deterministic ? kMicroRows : micro;  // with the padding rows
-      const float* queries[kMicroRows];
-      float* row_acc[kMicroRows];
-      for (int64_t r = 0; r < computed; ++r) {
-        queries[r] = r < micro ? p.query(j, first, r0 + r) : queries[0];
-        row_acc[r] = r < micro ? acc.data() + (r0 + r) * D : padding_acc.data();
-      }
-      tile_scores(queries, computed, keys_t.data(), D, scores, avx512);
-      std::fill(scores + micro * kKeyTile, scores + computed * kKeyTile, 0.f);  // padding rows add nothing
-      for (int64_t r = 0; r < micro; ++r) {
-        float* row = scores + r * kKeyTile;
-        const int64_t seen =  // the tile's keys at or before the row's position
-            std::clamp<int64_t>(p.start + first + (r0 + r) / p.G - tile + 1, 0, keys);
-        float tile_max = kNegInf;
-        for (int64_t k = 0; k < seen; ++k) tile_max = std::max(tile_max, row[k] * p.scale);
-        const int64_t i = r0 + r;
-        const float new_max = std::max(row_max[i], tile_max);
-        const float rescale = std::exp(row_max[i] - new_max);  // 0 on the first tile
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t k = 0; k < seen; ++k) {
-          row[k] = std::exp(row[k] * p.scale - new_max);
-          total += row[k];
-        }
-        std::fill(row + seen, row + kKeyTile, 0.f);
-        row_sum[i] = row_sum[i] * rescale + total;
-        row_max[i] = new_max;
-        if (rescale != 1.f) {
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) row_acc[r][d] *= rescale;
-        }
-      }
-      tile_values(scores, computed, values.data(), keys, D, row_acc, avx512);
-    }
-  }
-  for (int64_t i = 0; i < rows; ++i) {
-    const float inverse = 1.f / row_sum[i];
-    float* result = out + ((first + i / p.G) * p.H + j * p.G + i % p.G) * D;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) result[d] = acc[i * D + d] * inverse;
-  }
+  Unit<T> unit(p, j, first, last, avx512, deterministic);
+  for (int64_t tile = 0; tile < unit.end_key(); tile += kKeyTile) unit.attend_tile(tile);
+  unit.finish(out);
 }
 
 // The checks of both entry points: q float32 [rows, heads, D], the caches contiguous, of one dtype and
@@ -348,7 +452,7 @@ torch::Tensor deterministic_decode_attention(torch::Tensor q, torch::Tensor k_ca
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
   auto out = torch::empty_like(q);
   float* out_data = out.data_ptr<float>();
-  const int64_t units = batch * KVH;
+  const int64_t units = batch * KVH;  // (decode, kv head): independent rows
   CHUNKSERVE_DISPATCH_KV(k_cache.scalar_type(), "deterministic_decode_attention", [&] {
     const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
     std::atomic<int64_t> next{0};
