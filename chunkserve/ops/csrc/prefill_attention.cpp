@@ -26,9 +26,11 @@
 // Deterministic mode (issue 42): a row's arithmetic is already a function of its absolute
 // position alone (key tiles at absolute positions 0, 64, ...; one online-softmax order; keys
 // past the row add exact zeros), except for a micro-tile short of six rows, which takes other
-// code; in the mode it is padded to six. Decode rows then run here as 1-row chunks
-// (deterministic_decode_attention), so decode, prefill and verification rows share their bits.
-// Threads split (kv head, positions) units, independent outputs, never one row's keys.
+// code; in the mode it is padded to six, or to three where AVX-512 has a three-row kernel
+// whose rows run the six-row kernel's instructions (a decode's GQA group). Decode rows then
+// run here as 1-row chunks (deterministic_decode_attention), so that decode, prefill and
+// verification rows share their bits. Threads split (kv head, positions) units, independent
+// outputs, never one row's keys.
 #include "ops.h"
 #include "cpu_isa.h"
 #include "kv_element.h"
@@ -50,6 +52,9 @@ constexpr int64_t kKeyTile = 64;      // keys per tile (several blocks when bloc
 // units copy less per product, down to one unit per thread and kv head for a short chunk.
 constexpr int64_t kPositionTile = 128;
 constexpr int64_t kMicroRows = 6;     // query rows whose scores are computed together
+// Deterministic mode pads a micro-tile of at most this many rows (a decode's GQA group of three)
+// to it, not to kMicroRows, where AVX-512 computes it: half the work for a decode.
+constexpr int64_t kHalfRows = 3;
 constexpr float kNegInf = -1e30f;  // finite: the build uses -ffast-math
 
 template <typename T>
@@ -67,20 +72,22 @@ struct Problem {
   }
 };
 
-// tile_scores for kMicroRows rows with AVX-512: the tile's 64 keys in four registers per
-// dimension, each row's query scalar broadcast against them.
+// tile_scores for Rows rows with AVX-512: the tile's 64 keys in four registers per dimension,
+// each row's query scalar broadcast against them. A row's products and sums are the same
+// instructions in the same order whatever Rows (kMicroRows, or kHalfRows in deterministic mode).
+template <int Rows>
 CHUNKSERVE_AVX512_TARGET void tile_scores_avx512(const float* const* queries, const float* keys_t, int64_t D,
                                                  float* scores) {
   static_assert(kKeyTile == 64, "four 16-float registers per key tile");
-  __m512 acc[kMicroRows][4];
-  for (int r = 0; r < kMicroRows; ++r)
+  __m512 acc[Rows][4];
+  for (int r = 0; r < Rows; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
     const float* keys = keys_t + d * kKeyTile;
     const __m512 k0 = _mm512_loadu_ps(keys), k1 = _mm512_loadu_ps(keys + 16);
     const __m512 k2 = _mm512_loadu_ps(keys + 32), k3 = _mm512_loadu_ps(keys + 48);
 #pragma GCC unroll 6
-    for (int r = 0; r < kMicroRows; ++r) {
+    for (int r = 0; r < Rows; ++r) {
       const __m512 query = _mm512_set1_ps(queries[r][d]);
       acc[r][0] = _mm512_fmadd_ps(query, k0, acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(query, k1, acc[r][1]);
@@ -88,24 +95,26 @@ CHUNKSERVE_AVX512_TARGET void tile_scores_avx512(const float* const* queries, co
       acc[r][3] = _mm512_fmadd_ps(query, k3, acc[r][3]);
     }
   }
-  for (int r = 0; r < kMicroRows; ++r)
+  for (int r = 0; r < Rows; ++r)
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(scores + r * kKeyTile + 16 * v, acc[r][v]);
 }
 
-// tile_values for kMicroRows rows and D a multiple of 64, with AVX-512: 64 columns of each row's
-// sum in four registers, each value row loaded once for the six rows.
+// tile_values for Rows rows and D a multiple of 64, with AVX-512: 64 columns of each row's sum
+// in four registers, each value row loaded once for all the rows (a row's arithmetic the same
+// whatever Rows, as tile_scores_avx512's).
+template <int Rows>
 CHUNKSERVE_AVX512_TARGET void tile_values_avx512(const float* probs, const float* const* values, int64_t keys,
                                                  int64_t D, float* const* acc) {
   for (int64_t c = 0; c < D; c += 64) {
-    __m512 sum[kMicroRows][4];
-    for (int r = 0; r < kMicroRows; ++r)
+    __m512 sum[Rows][4];
+    for (int r = 0; r < Rows; ++r)
       for (int v = 0; v < 4; ++v) sum[r][v] = _mm512_loadu_ps(acc[r] + c + 16 * v);
     for (int64_t k = 0; k < keys; ++k) {
       const float* value = values[k] + c;
       const __m512 v0 = _mm512_loadu_ps(value), v1 = _mm512_loadu_ps(value + 16);
       const __m512 v2 = _mm512_loadu_ps(value + 32), v3 = _mm512_loadu_ps(value + 48);
 #pragma GCC unroll 6
-      for (int r = 0; r < kMicroRows; ++r) {
+      for (int r = 0; r < Rows; ++r) {
         const __m512 p = _mm512_set1_ps(probs[r * kKeyTile + k]);
         sum[r][0] = _mm512_fmadd_ps(p, v0, sum[r][0]);
         sum[r][1] = _mm512_fmadd_ps(p, v1, sum[r][1]);
@@ -113,15 +122,18 @@ CHUNKSERVE_AVX512_TARGET void tile_values_avx512(const float* probs, const float
         sum[r][3] = _mm512_fmadd_ps(p, v3, sum[r][3]);
       }
     }
-    for (int r = 0; r < kMicroRows; ++r)
+    for (int r = 0; r < Rows; ++r)
       for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc[r] + c + 16 * v, sum[r][v]);
   }
 }
 
-// scores[r][k] = sum_d q_r[d] * keys_t[d][k], for `rows` (<= kMicroRows) rows and kKeyTile keys.
+// scores[r][k] = sum_d q_r[d] * keys_t[d][k], for `rows` (<= kMicroRows) rows and kKeyTile keys;
+// with `half_tiles` (deterministic mode), kHalfRows rows take the AVX-512 kernel too (where the
+// default mode keeps them on the portable loop, bit for bit as before).
 void tile_scores(const float* const* queries, int64_t rows, const float* keys_t, int64_t D, float* scores,
-                 bool avx512) {
-  if (avx512 && rows == kMicroRows) return tile_scores_avx512(queries, keys_t, D, scores);
+                 bool avx512, bool half_tiles) {
+  if (avx512 && rows == kMicroRows) return tile_scores_avx512<kMicroRows>(queries, keys_t, D, scores);
+  if (avx512 && half_tiles && rows == kHalfRows) return tile_scores_avx512<kHalfRows>(queries, keys_t, D, scores);
 #ifdef CHUNKSERVE_AVX2
   if (rows == kMicroRows) {
     for (int64_t k = 0; k < kKeyTile; k += 16) {
@@ -156,10 +168,13 @@ void tile_scores(const float* const* queries, int64_t rows, const float* keys_t,
   }
 }
 
-// acc_r += sum_k probs[r][k] * value_k, for `rows` rows, `keys` values (rows of D floats).
+// acc_r += sum_k probs[r][k] * value_k, for `rows` rows, `keys` values (rows of D floats);
+// `half_tiles` as tile_scores'.
 void tile_values(const float* probs, int64_t rows, const float* const* values, int64_t keys, int64_t D,
-                 float* const* acc, bool avx512) {
-  if (avx512 && rows == kMicroRows && D % 64 == 0) return tile_values_avx512(probs, values, keys, D, acc);
+                 float* const* acc, bool avx512, bool half_tiles) {
+  if (avx512 && D % 64 == 0 && rows == kMicroRows) return tile_values_avx512<kMicroRows>(probs, values, keys, D, acc);
+  if (avx512 && D % 64 == 0 && half_tiles && rows == kHalfRows)
+    return tile_values_avx512<kHalfRows>(probs, values, keys, D, acc);
   int64_t r = 0;
 #ifdef CHUNKSERVE_AVX2
   if (D % 32 == 0) {
@@ -297,7 +312,7 @@ void load_tile(const Problem<T>& p, int64_t j, int64_t tile, int64_t keys, int64
 
 // One unit of work, kv head j and positions [first, last) of a chunk: its buffers, and each row's
 // running max, sum and weighted value sum (online softmax), fed one key tile at a time. Where
-// `deterministic`, a micro-tile short of kMicroRows rows is padded with rows whose results are
+// `deterministic`, a micro-tile short of kMicroRows (kHalfRows) rows is padded with rows whose results are
 // dropped, so that every row takes the full micro-tile's code whatever its place: its bits then
 // depend only on its absolute position (the key tiles start at absolute positions already).
 template <typename T>
@@ -332,21 +347,22 @@ class Unit {
   void attend_micro_tile(int64_t r0, int64_t tile, int64_t keys) {
     const int64_t micro = std::min(kMicroRows, rows_ - r0);
     if (tile > p_.start + first_ + (r0 + micro - 1) / p_.G) return;  // every key is after every row's query
-    const int64_t computed = deterministic_ ? kMicroRows : micro;  // with the padding rows
+    const bool half = deterministic_ && avx512_ && micro <= kHalfRows;
+    const int64_t computed = !deterministic_ ? micro : half ? kHalfRows : kMicroRows;  // with the padding rows
     const float* queries[kMicroRows];
     float* row_acc[kMicroRows];
     for (int64_t r = 0; r < computed; ++r) {
       queries[r] = r < micro ? p_.query(j_, first_, r0 + r) : queries[0];
       row_acc[r] = r < micro ? acc_.data() + (r0 + r) * p_.D : padding_acc_.data();
     }
-    tile_scores(queries, computed, keys_t_.data(), p_.D, scores_, avx512_);
+    tile_scores(queries, computed, keys_t_.data(), p_.D, scores_, avx512_, deterministic_);
     std::fill(scores_ + micro * kKeyTile, scores_ + computed * kKeyTile, 0.f);  // padding rows add nothing
     for (int64_t r = 0; r < micro; ++r) {
       const int64_t seen =  // the tile's keys at or before the row's position
           std::clamp<int64_t>(p_.start + first_ + (r0 + r) / p_.G - tile + 1, 0, keys);
       softmax_step(r0 + r, scores_ + r * kKeyTile, seen, row_acc[r]);
     }
-    tile_values(scores_, computed, values_.data(), keys, p_.D, row_acc, avx512_);
+    tile_values(scores_, computed, values_.data(), keys, p_.D, row_acc, avx512_, deterministic_);
   }
 
   // Row i's scores of a tile -> its weights (exp relative to the new running max), its sum and
