@@ -278,19 +278,26 @@ void prefetch_row(const Problem<T>& p, int64_t j, int64_t position) {
   }
 }
 
-// Key tile `tile` (`keys` keys) of kv head j into the unit's buffers, the next tile's rows
-// (before end_key) prefetched: its keys transposed and widened into keys_t (0 past `keys`: those
+// The key rows to prefetch while a tile is loaded: positions [first, end) of kv head j of `p`
+// (the unit's next tile, or the first tile of the thread's next unit; none where end == first).
+template <typename T>
+struct Upcoming {
+  const Problem<T>* p;
+  int64_t j, first, end;
+};
+
+// Key tile `tile` (`keys` keys) of kv head j into the unit's buffers, the rows of `next`
+// prefetched: its keys transposed and widened into keys_t (0 past `keys`: those
 // scores are never used), and values[k] key k's value row as float32 (in place in a float32
 // cache, else widened into `widened`). A copy: its route (transposed in registers or element by
 // element) never changes a bit of the result.
 template <typename T>
-void load_tile(const Problem<T>& p, int64_t j, int64_t tile, int64_t keys, int64_t end_key, float* keys_t,
+void load_tile(const Problem<T>& p, int64_t j, int64_t tile, int64_t keys, const Upcoming<T>& next, float* keys_t,
                float* widened, const float** values, bool avx512) {
   const int64_t D = p.D;
   const T* rows[kKeyTile];
-  const int64_t next_keys = std::min(kKeyTile, end_key - tile - kKeyTile);  // the next tile's
   for (int64_t k = 0; k < keys; ++k) {
-    if (k < next_keys) prefetch_row(p, j, tile + kKeyTile + k);  // it arrives while this tile is computed
+    if (k < next.end - next.first) prefetch_row(*next.p, next.j, next.first + k);  // it arrives while this is computed
     const int64_t offset = (p.slot(tile + k) * p.KVH + j) * D;
     rows[k] = p.k_cache + offset;
     if constexpr (std::is_same_v<T, float>) {
@@ -326,10 +333,14 @@ class Unit {
 
   int64_t end_key() const { return end_key_; }  // keys 0 .. end_key - 1 are seen by some row
 
-  // The keys tile .. tile + kKeyTile - 1 (a multiple of kKeyTile) that are before end_key.
-  void attend_tile(int64_t tile) {
+  // The keys tile .. tile + kKeyTile - 1 (a multiple of kKeyTile) that are before end_key; during
+  // the last tile, the rows of `following` are prefetched.
+  void attend_tile(int64_t tile, const Upcoming<T>& following) {
     const int64_t keys = std::min(kKeyTile, end_key_ - tile);
-    load_tile(p_, j_, tile, keys, end_key_, keys_t_.data(), widened_values_.data(), values_.data(), avx512_);
+    const int64_t next = tile + kKeyTile;
+    const Upcoming<T> upcoming =
+        next < end_key_ ? Upcoming<T>{&p_, j_, next, std::min(next + kKeyTile, end_key_)} : following;
+    load_tile(p_, j_, tile, keys, upcoming, keys_t_.data(), widened_values_.data(), values_.data(), avx512_);
     for (int64_t r0 = 0; r0 < rows_; r0 += kMicroRows) attend_micro_tile(r0, tile, keys);
   }
 
@@ -396,12 +407,13 @@ class Unit {
   std::vector<const float*> values_;
 };
 
-// One kv head j, positions [first, last) of the chunk: writes their rows of `out`.
+// One kv head j, positions [first, last) of the chunk: writes their rows of `out`; the rows of
+// `following` are prefetched during its last tile.
 template <typename T>
 void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, float* out, bool avx512,
-                 bool deterministic) {
+                 bool deterministic, const Upcoming<T>& following) {
   Unit<T> unit(p, j, first, last, avx512, deterministic);
-  for (int64_t tile = 0; tile < unit.end_key(); tile += kKeyTile) unit.attend_tile(tile);
+  for (int64_t tile = 0; tile < unit.end_key(); tile += kKeyTile) unit.attend_tile(tile, following);
   unit.finish(out);
 }
 
@@ -448,7 +460,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
       for (int64_t unit = next++; unit < units; unit = next++) {
         const int64_t tile = tiles - 1 - unit / KVH, j = unit % KVH;
         attend_unit(problem, j, tile * kPositionTile, std::min(n, (tile + 1) * kPositionTile), out_data, avx512,
-                    deterministic);
+                    deterministic, Upcoming<scalar_t>{&problem, j, 0, 0});
       }
     });
   });
@@ -479,16 +491,23 @@ torch::Tensor deterministic_decode_attention(torch::Tensor q, torch::Tensor k_ca
   const int64_t units = batch * KVH;  // (decode, kv head): independent rows
   CHUNKSERVE_DISPATCH_KV(k_cache.scalar_type(), "deterministic_decode_attention", [&] {
     const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+    std::vector<Problem<scalar_t>> rows;  // each decode as a 1-row chunk at its position
+    for (int64_t b = 0; b < batch; ++b)
+      rows.push_back({q.data_ptr<float>() + b * H * D, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                      block_tables.data_ptr<int64_t>() + b * max_blocks, lens[b] - 1, H, KVH, D, H / KVH, block_size,
+                      static_cast<float>(scale)});
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      for (int64_t unit = next++; unit < units; unit = next++) {
+      // a thread takes its next unit before computing this one, to prefetch that one's first tile
+      for (int64_t unit = next++, following = next++; unit < units; unit = following, following = next++) {
         const int64_t b = order[unit / KVH], j = unit % KVH;
-        const Problem<scalar_t> row{q.data_ptr<float>() + b * H * D, k_cache.data_ptr<scalar_t>(),
-                                    v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>() + b * max_blocks,
-                                    lens[b] - 1, H, KVH, D, H / KVH, block_size, static_cast<float>(scale)};
-        attend_unit(row, j, 0, 1, out_data + b * H * D, avx512, true);  // a 1-row chunk at its position
+        const Upcoming<scalar_t> upcoming =
+            following < units ? Upcoming<scalar_t>{&rows[order[following / KVH]], following % KVH, 0,
+                                                   std::min(kKeyTile, lens[order[following / KVH]])}
+                              : Upcoming<scalar_t>{&rows[b], j, 0, 0};
+        attend_unit(rows[b], j, 0, 1, out_data + b * H * D, avx512, true, upcoming);
       }
     });
   });
-  return out;
+    return out;
 }
