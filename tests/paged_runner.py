@@ -16,9 +16,10 @@ BLOCK_SIZE = 16
 class PagedRunner:
     """Drives the model over a paged cache with deliberately scattered block tables."""
 
-    def __init__(self, model, config, num_blocks: int = 256, cpp_ops=None) -> None:
-        """`cpp_ops`: compute through the C++ ops (None: plain torch)."""
-        self.attention_kernels = None if cpp_ops is None else cpp_ops.attention_kernels()
+    def __init__(self, model, config, num_blocks: int = 256, cpp_ops=None, deterministic: bool = False) -> None:
+        """`cpp_ops`: compute through the C++ ops (None: plain torch); `deterministic`: with their
+        deterministic attention."""
+        self.attention_kernels = None if cpp_ops is None else cpp_ops.attention_kernels(deterministic)
         model.set_ops(model_ops_for(cpp_ops, model.compute_dtype, model.int8_activations))
         self.model, self.kv = model, allocate_kv_cache(config, model.compute_dtype, num_blocks, BLOCK_SIZE)
         self.free = list(np.random.default_rng(0).permutation(num_blocks))
