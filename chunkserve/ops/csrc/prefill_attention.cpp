@@ -42,6 +42,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -312,6 +313,7 @@ void load_tile(const Problem<T>& p, int64_t j, int64_t tile, int64_t keys, const
       values[k] = value;
     }
   }
+  for (int64_t k = keys; k < next.end - next.first; ++k) prefetch_row(*next.p, next.j, next.first + k);
   if (avx512 && D % 16 == 0) return transpose_keys_avx512(rows, keys, D, keys_t);
   for (int64_t k = 0; k < kKeyTile; ++k)
     for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + k] = k < keys ? kv::widen(rows[k][d]) : 0.f;
@@ -327,8 +329,9 @@ class Unit {
  public:
   Unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, bool avx512, bool deterministic)
       : p_(p), j_(j), first_(first), rows_((last - first) * p.G), end_key_(p.start + last), avx512_(avx512),
-        deterministic_(deterministic), keys_t_(p.D * kKeyTile), padding_acc_(deterministic ? p.D : 0),
-        widened_values_(std::is_same_v<T, float> ? 0 : kKeyTile * p.D),  // float32 values: read in place
+        deterministic_(deterministic), keys_t_(new float[p.D * kKeyTile]),
+        widened_values_(new float[std::is_same_v<T, float> ? 0 : kKeyTile * p.D]),  // float32 values: read in place
+        padding_acc_(deterministic ? p.D : 0),
         row_max_(rows_, kNegInf), row_sum_(rows_, 0.f), acc_(rows_ * p.D, 0.f), values_(kKeyTile) {}
 
   int64_t end_key() const { return end_key_; }  // keys 0 .. end_key - 1 are seen by some row
@@ -340,7 +343,7 @@ class Unit {
     const int64_t next = tile + kKeyTile;
     const Upcoming<T> upcoming =
         next < end_key_ ? Upcoming<T>{&p_, j_, next, std::min(next + kKeyTile, end_key_)} : following;
-    load_tile(p_, j_, tile, keys, upcoming, keys_t_.data(), widened_values_.data(), values_.data(), avx512_);
+    load_tile(p_, j_, tile, keys, upcoming, keys_t_.get(), widened_values_.get(), values_.data(), avx512_);
     for (int64_t r0 = 0; r0 < rows_; r0 += kMicroRows) attend_micro_tile(r0, tile, keys);
   }
 
@@ -366,7 +369,7 @@ class Unit {
       queries[r] = r < micro ? p_.query(j_, first_, r0 + r) : queries[0];
       row_acc[r] = r < micro ? acc_.data() + (r0 + r) * p_.D : padding_acc_.data();
     }
-    tile_scores(queries, computed, keys_t_.data(), p_.D, scores_, avx512_, deterministic_);
+    tile_scores(queries, computed, keys_t_.get(), p_.D, scores_, avx512_, deterministic_);
     std::fill(scores_ + micro * kKeyTile, scores_ + computed * kKeyTile, 0.f);  // padding rows add nothing
     for (int64_t r = 0; r < micro; ++r) {
       const int64_t seen =  // the tile's keys at or before the row's position
@@ -403,7 +406,9 @@ class Unit {
   const bool avx512_, deterministic_;
   // aligned: the vectorized loops over a row's scores never peel by the stack's address
   alignas(64) float scores_[kMicroRows * kKeyTile];
-  std::vector<float> keys_t_, padding_acc_, widened_values_, row_max_, row_sum_, acc_;
+  // written by load_tile before each read: not cleared (a unit of a decode is short; clearing showed)
+  std::unique_ptr<float[]> keys_t_, widened_values_;
+  std::vector<float> padding_acc_, row_max_, row_sum_, acc_;
   std::vector<const float*> values_;
 };
 
