@@ -7,9 +7,13 @@ heads (9 query heads, 3 kv heads of 64), 16-slot blocks scattered at random over
 bfloat16, the default here, 0.83 GB with `--kv-dtype float32`). With `--baseline REV`, the
 kernel as it was at REV is built beside the current one and the two run alternately, `--rounds`
 times each; their outputs must agree to float32 rounding (their sums may run in other orders). The streaming read
-rate (a sum over 1 GiB) is measured beside them: the rate memory gives to a plain scan.
+rate (a sum over 1 GiB) is measured beside them: the rate memory gives to a plain scan. With
+`--deterministic`, deterministic mode's decode op (`attention_kernels(deterministic=True)`: each
+decode a 1-row chunk of the prefill op) runs beside them too; `--decodes` and `--context MIN MAX`
+change the step's shape (issue 42's check: 1 and 8 decodes at contexts 128 to 2048).
 
     .venv/bin/python -m benchmarks.kernels.decode_attention [--baseline d0a2295] [--rounds 9] [--kv-dtype float32]
+    .venv/bin/python -m benchmarks.kernels.decode_attention --deterministic --decodes 8 --context 2048 2048
     .venv/bin/python -m benchmarks.kernels.decode_attention --smoke    # 4 decodes, 2 layers, one round: does it run?
 """
 
@@ -70,14 +74,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="bfloat16",
                         help="the cache's dtype (bfloat16: what --dtype auto gives on a CPU with native bfloat16)")
+    parser.add_argument("--deterministic", action="store_true", help="also time deterministic mode's decode op")
+    parser.add_argument("--decodes", type=int, default=DECODES)
+    parser.add_argument("--context", type=int, nargs=2, metavar=("MIN", "MAX"), default=(MIN_CONTEXT, MAX_CONTEXT),
+                        help="each decode's context length, drawn from MIN .. MAX")
     add_smoke_flag(parser)
     args = parser.parse_args()
     kv_dtype = getattr(torch, args.kv_dtype)
-    decodes, layers, pool_blocks = (SMOKE_DECODES, SMOKE_LAYERS, SMOKE_POOL_BLOCKS) if args.smoke else \
-        (DECODES, LAYERS, POOL_BLOCKS)
+    min_context, max_context = args.context
+    decodes, layers = (SMOKE_DECODES, SMOKE_LAYERS) if args.smoke else (args.decodes, LAYERS)
+    max_blocks = -(-max_context // BLOCK_SIZE)
+    pool_blocks = SMOKE_POOL_BLOCKS if args.smoke else max(POOL_BLOCKS, decodes * max_blocks)
     rounds, read_gib = (1, 1 / 64) if args.smoke else (args.rounds, 1.0)
 
-    kernels = {"current": cpp_ops.build_cpp_ops().decode_attention}
+    ops = cpp_ops.build_cpp_ops()
+    kernels = {"current": ops.decode_attention}
+    if args.deterministic:
+        kernels["deterministic"] = ops.attention_kernels(deterministic=True).decode
     with tempfile.TemporaryDirectory() as build_dir:
         if args.baseline:
             kernels[args.baseline] = kernel_at(args.baseline, build_dir)
@@ -85,9 +98,8 @@ def main() -> None:
         caches = [(torch.randn(pool_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype),
                    torch.randn(pool_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype))
                   for _ in range(layers)]
-        max_blocks = -(-MAX_CONTEXT // BLOCK_SIZE)
         tables = torch.randperm(pool_blocks, generator=generator)[: decodes * max_blocks].view(decodes, max_blocks)
-        context_lens = torch.randint(MIN_CONTEXT, MAX_CONTEXT + 1, (decodes,), generator=generator)
+        context_lens = torch.randint(min_context, max_context + 1, (decodes,), generator=generator)
         q = torch.randn(decodes, HEADS, HEAD_DIM, generator=generator)
         scale = HEAD_DIM**-0.5
 
@@ -108,7 +120,7 @@ def main() -> None:
         read_rate = memory_read_gb_s(repeats=3, gib=read_gib)
 
     kv_bytes = 2 * KV_HEADS * HEAD_DIM * kv_dtype.itemsize * int(context_lens.sum()) * layers
-    print(f"{decodes} decodes, contexts {MIN_CONTEXT}-{MAX_CONTEXT}, {layers} layers: {kv_bytes / 1e9:.2f} GB of "
+    print(f"{decodes} decodes, contexts {min_context}-{max_context}, {layers} layers: {kv_bytes / 1e9:.2f} GB of "
           f"{args.kv_dtype} KV "
           f"per step; streaming read {read_rate:.1f} GB/s")
     print("| kernel | step ms (median) | GB/s |")
@@ -119,6 +131,9 @@ def main() -> None:
     if args.baseline:
         ratio = statistics.median(times["current"]) / statistics.median(times[args.baseline])
         print(f"current / {args.baseline}: {ratio:.2f}x the time")
+    if args.deterministic:
+        ratio = statistics.median(times["deterministic"]) / statistics.median(times["current"])
+        print(f"deterministic / current: {ratio:.2f}x the time")
 
 
 if __name__ == "__main__":

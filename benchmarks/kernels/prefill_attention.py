@@ -6,9 +6,11 @@ SmolLM2-135M's heads (9 query heads, 3 kv heads of 64), 16-slot blocks scattered
 over the pool, one layer; the chunk shapes of issue 5's prefill target (a 2048-token prompt
 whole, and in 512-token chunks) and Scenario A's 256-token prompts. Each shape runs both
 paths alternately `--rounds` times; the medians are printed with the rate on the attended
-(query, key) pairs (4 * heads * head_dim FLOPs each: q.k and p.v), and both must agree.
+(query, key) pairs (4 * heads * head_dim FLOPs each: q.k and p.v), and both must agree. With
+`--deterministic`, deterministic mode's op (`attention_kernels(deterministic=True)`) runs as a
+third path, and its time against the default C++ op is printed.
 
-    .venv/bin/python -m benchmarks.kernels.prefill_attention [--rounds 7] [--smoke]
+    .venv/bin/python -m benchmarks.kernels.prefill_attention [--rounds 7] [--deterministic] [--smoke]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ SMOKE_SHAPES = [(16, 0), (16, 32)]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--deterministic", action="store_true", help="also time deterministic mode's op")
     add_smoke_flag(parser)
     args = parser.parse_args()
     rounds = 1 if args.smoke else args.rounds
@@ -48,9 +51,10 @@ def main() -> None:
     blocks = np.random.default_rng(0).permutation(POOL_BLOCKS).tolist()
     scale = HEAD_DIM**-0.5
     print(f"{torch.get_num_threads()} threads; heads {HEADS}/{KV_HEADS} x {HEAD_DIM}, blocks of {BLOCK_SIZE}")
+    deterministic = ("| deterministic ms | deterministic / in place ", "|---|---") if args.deterministic else ("", "")
     print("| chunk (tokens @ start) | torch gather + SDPA ms | C++ in place ms | in place / torch | "
-          "GFLOP/s torch | GFLOP/s in place |")
-    print("|---|---|---|---|---|---|")
+          f"GFLOP/s torch | GFLOP/s in place {deterministic[0]}|")
+    print(f"|---|---|---|---|---|---{deterministic[1]}|")
     for count, start in SMOKE_SHAPES if args.smoke else SHAPES:
         table = blocks[: -(-(start + count) // BLOCK_SIZE)]
         scheduled = [ScheduledRequest("r", start, count, table, True, True, False)]
@@ -60,17 +64,23 @@ def main() -> None:
             "torch": build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE).attn,
             "in place": build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE, ops.attention_kernels()).attn,
         }
+        if args.deterministic:
+            paths["deterministic"] = build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE,
+                                                         ops.attention_kernels(deterministic=True)).attn
         outputs = {name: paged_attention(q, k_cache, v_cache, meta, scale) for name, meta in paths.items()}
-        torch.testing.assert_close(outputs["in place"], outputs["torch"], rtol=1e-4, atol=1e-4)
+        for name in paths:
+            torch.testing.assert_close(outputs[name], outputs["torch"], rtol=1e-4, atol=1e-4)
         times: dict[str, list[float]] = {name: [] for name in paths}
         for _ in range(rounds):
             for name, meta in paths.items():
                 times[name].append(timed(lambda: paged_attention(q, k_cache, v_cache, meta, scale)))
         medians = {name: statistics.median(samples) for name, samples in times.items()}
         flop = 4 * HEADS * HEAD_DIM * chunk_attention(start, count)
+        extra = f" {medians['deterministic'] * 1e3:.2f} | {medians['deterministic'] / medians['in place']:.2f}x |" \
+            if args.deterministic else ""
         print(f"| {count} @ {start} | {medians['torch'] * 1e3:.2f} | {medians['in place'] * 1e3:.2f} | "
               f"{medians['in place'] / medians['torch']:.2f}x | {flop / medians['torch'] / 1e9:.0f} | "
-              f"{flop / medians['in place'] / 1e9:.0f} |")
+              f"{flop / medians['in place'] / 1e9:.0f} |{extra}")
 
 
 if __name__ == "__main__":

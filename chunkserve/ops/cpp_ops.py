@@ -3,7 +3,10 @@
 - `paged_decode_attention` (csrc/paged_attention.cpp): decode attention that reads each
   request's KV in place through its block table.
 - `paged_prefill_attention` (csrc/prefill_attention.cpp): a prefill chunk's causal attention
-  over its history and its own keys, read in place through the block table.
+  over its history and its own keys, read in place through the block table. With
+  `deterministic`, and `deterministic_decode_attention` (each decode a 1-row chunk of it), a
+  query row's bits depend only on its position and keys, never on the path that computes it
+  (`attention_kernels(deterministic=True)`, issue 42).
 - `small_batch_linear` (csrc/small_batch_linear.cpp): the linear layers when a step has at
   most `SMALL_BATCH_MAX_ROWS` rows, where it beats MKL's GEMM on this model's shapes (far
   from the weight-bandwidth bound at a few rows, behind the kernel's tiles at hundreds);
@@ -140,7 +143,8 @@ class CppOps:
     """The compiled functions, as bound from csrc/ops.cpp (signatures in csrc/ops.h)."""
 
     decode_attention: DecodeKernel
-    prefill_attention: PrefillKernel
+    prefill_attention: Callable[..., torch.Tensor]  # a PrefillKernel, and `deterministic=` (csrc/ops.h)
+    deterministic_decode_attention: DecodeKernel
     small_batch_linear: Callable[..., torch.Tensor]
     block_quantized_linear: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
@@ -155,7 +159,13 @@ class CppOps:
     cpu_isa: Callable[[], str]  # the instruction set of the kernels that have several: avx512, avx2, portable
     set_cpu_isa: Callable[[str], str]  # another one this CPU has (tests, benchmarks); returns the last
 
-    def attention_kernels(self) -> AttentionKernels:
+    def attention_kernels(self, deterministic: bool = False) -> AttentionKernels:
+        """The in-place attention ops; where `deterministic`, ones that give a query row the same
+        bits whether it decodes (beside any other decodes), sits at any row of a prefill chunk
+        of any start and length, or is verified: decode rows as 1-row chunks of the prefill op."""
+        if deterministic:
+            return AttentionKernels(decode=self.deterministic_decode_attention,
+                                    prefill=functools.partial(self.prefill_attention, deterministic=True))
         return AttentionKernels(decode=self.decode_attention, prefill=self.prefill_attention)
 
     def model_ops(self, linear_dtype: torch.dtype = torch.float32, int8_activations: bool = False) -> ModelOps:
@@ -249,6 +259,7 @@ def build_cpp_ops() -> CppOps:
                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
                   build_directory=build_directory())
     return CppOps(decode_attention=module.paged_decode_attention, prefill_attention=module.paged_prefill_attention,
+                  deterministic_decode_attention=module.deterministic_decode_attention,
                   small_batch_linear=module.small_batch_linear,
                   block_quantized_linear=module.block_quantized_linear,
                   rms_norm=module.rms_norm, add_rms_norm=module.add_rms_norm,

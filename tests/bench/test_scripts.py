@@ -39,8 +39,8 @@ PARALLEL_RUNS = 2
 # written by `inputs`.
 SMOKE: dict[str, tuple[list[str], str]] = {
     # kernel micro-benchmarks: the smallest shapes
-    "decode_attention": (["--smoke"], "| current |"),
-    "prefill_attention": (["--smoke"], "| 16 @ 32 |"),
+    "decode_attention": (["--smoke", "--deterministic"], "| deterministic |"),
+    "prefill_attention": (["--smoke", "--deterministic"], "| 16 @ 32 |"),
     "small_batch_linear": (["--smoke"], "C++ kernels:"),
     "gemm_dtypes": (["--smoke"], "| gate_up 4 rows |"),
     # engine studies: the tiny model

@@ -93,17 +93,24 @@ def test_one_call_layers_read_gguf_blocks_with_the_same_logits(cpp_ops, tiny_ggu
     assert_one_call_layers_equal_the_parts(cpp_ops, tiny_gguf, dtype)
 
 
-def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "float32") -> None:
+def test_one_call_layers_in_deterministic_mode_attend_as_the_parts(cpp_ops, tiny_model_dir):
+    """`decoder_layer(deterministic=True)` attends with the deterministic decode op, the one the
+    per-part path takes in that mode (`attention_kernels(deterministic=True)`)."""
+    assert_one_call_layers_equal_the_parts(cpp_ops, tiny_model_dir, deterministic=True)
+
+
+def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "float32",
+                                           deterministic: bool = False) -> None:
     source = resolve_model(model)
     config = load_model_config(source)
     calls = []
 
     def counted(*args):
         calls.append(args[0].shape[0])
-        return cpp_ops.decoder_layer(*args)
+        return cpp_ops.decoder_layer(*args, deterministic=deterministic)
 
     fused_ops = dataclasses.replace(cpp_ops, decoder_layer=counted)
-    fused, parts = (PagedRunner(load_model(source, config, dtype, 512), config, cpp_ops=ops)
+    fused, parts = (PagedRunner(load_model(source, config, dtype, 512), config, cpp_ops=ops, deterministic=deterministic)
                     for ops in (fused_ops, cpp_ops))
     for layer in parts.model.layers:
         layer.fused_weights = None

@@ -25,7 +25,7 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
     torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
     c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
-    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations) {
+    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations, bool deterministic) {
   TORCH_CHECK(weights.size() == 4 && types.size() == 4,
               "decoder_layer: four linears (qkv, o, gate_up, down), each a weight and its ggml type (-1: float32)");
   const int64_t rows = hidden.size(0), head_dim = k_cache.size(2);
@@ -44,8 +44,8 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
   std::tie(q, k) = rotary_embedding(q, k, cos, sin);
   k_cache.index_copy_(0, slot_mapping, k.to(k_cache.scalar_type()));  // rounded to a bfloat16 cache
   v_cache.index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
-  const torch::Tensor attended =
-      paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale);
+  const auto attention = deterministic ? deterministic_decode_attention : paged_decode_attention;
+  const torch::Tensor attended = attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale);
   const torch::Tensor attention_out = linear(attended.view({rows, q_size}), weights[1], types[1], int8_activations);
   auto [mlp_in, new_stream] = add_rms_norm(attention_out, stream, post_attention_norm, eps);
   const torch::Tensor mlp_out = linear(silu_and_mul(linear(mlp_in, weights[2], types[2], int8_activations)), weights[3], types[3],

@@ -9,7 +9,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache, in place",
         release_gil());
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal attention of a prefill chunk over the paged KV cache, in place", release_gil());
+        "causal attention of a prefill chunk over the paged KV cache, in place", pybind11::arg("q"),
+        pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_table"), pybind11::arg("start"),
+        pybind11::arg("block_size"), pybind11::arg("scale"), pybind11::arg("deterministic") = false, release_gil());
+  m.def("deterministic_decode_attention", &deterministic_decode_attention,
+        "decode attention whose rows have the bits of the same rows in any prefill chunk", release_gil());
   m.def("small_batch_linear", &small_batch_linear, "x @ weight^T (+ bias) for a few rows of x", release_gil());
   m.def("block_quantized_linear", &block_quantized_linear, "x @ weight^T (+ bias), the weight as GGUF blocks",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("ggml_type"), pybind11::arg("bias"),
@@ -18,7 +22,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMS norm of the residual", release_gil());
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k, in place", release_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half", release_gil());
-  m.def("decoder_layer", &decoder_layer, "a decoder layer of a pure decode step in one call", release_gil());
+  m.def("decoder_layer", &decoder_layer, "a decoder layer of a pure decode step in one call", pybind11::arg("hidden"),
+        pybind11::arg("residual"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"),
+        pybind11::arg("v_cache"), pybind11::arg("slot_mapping"), pybind11::arg("block_tables"),
+        pybind11::arg("context_lens"), pybind11::arg("block_size"), pybind11::arg("weights"), pybind11::arg("types"),
+        pybind11::arg("qkv_bias"), pybind11::arg("input_norm"), pybind11::arg("post_attention_norm"),
+        pybind11::arg("eps"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("scale"),
+        pybind11::arg("int8_activations"), pybind11::arg("deterministic") = false, release_gil());
   m.def("cpu_has_vnni", &cpu_has_vnni, "whether block_quantized_linear can take int8_activations here");
   m.def("cpu_isa", &cpu_isa, "the instruction set the kernels run with: avx512, avx2 or portable");
   m.def("set_cpu_isa", &set_cpu_isa, "run the kernels with another instruction set this CPU has; returns the last");

@@ -13,9 +13,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // One prefill chunk: q [n, heads, head_dim] at positions start .. start + n - 1, its keys and
 // the history's already in the caches [num_slots, kv_heads, head_dim]; block_table [blocks]
 // (int64). Query i attends keys 0 .. start + i (causal). Returns [n, heads, head_dim]. q and the
-// result float32, the caches float32 or bfloat16.
+// result float32, the caches float32 or bfloat16. Where `deterministic`, each row's bits depend
+// only on its query, its absolute position and the keys, never on start, n or its place in the chunk.
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                      torch::Tensor block_table, int64_t start, int64_t block_size, double scale);
+                                      torch::Tensor block_table, int64_t start, int64_t block_size, double scale,
+                                      bool deterministic);
+
+// paged_decode_attention's arguments and result, each decode attended as a 1-row chunk of
+// paged_prefill_attention(deterministic): the bits of a decode row equal those of the same query
+// at the same position in any chunk, whatever else is in the batch.
+torch::Tensor deterministic_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                             torch::Tensor block_tables, torch::Tensor context_lens,
+                                             int64_t block_size, double scale);
 
 // x: [M, K], weight: [N, K], bias: [N] or None; float32. Returns x @ weight^T + bias, [M, N].
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
@@ -47,14 +56,15 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 // DecoderLayer): hidden [B, hidden_size] is the last sublayer's output and residual the stream
 // before it (None at the first layer: hidden is then the embeddings). weights: qkv, o, gate_up,
 // down, each GGUF blocks (types[i] its ggml type) or a float32 [out, in] weight (types[i] -1);
-// int8_activations as block_quantized_linear's, for the blocks.
+// int8_activations as block_quantized_linear's, for the blocks; deterministic: attention by
+// deterministic_decode_attention instead of paged_decode_attention.
 // Writes this step's K/V at slot_mapping and returns (the MLP's output, the stream before it).
 std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
     torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
     c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
-    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
+    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations, bool deterministic);
 
 // Whether this CPU runs block_quantized_linear's int8_activations (AVX-512 with VNNI).
 bool cpu_has_vnni();

@@ -22,6 +22,15 @@
 // The cache is float32 or bfloat16 (kv_element.h): a tile's keys, and for bfloat16 its values,
 // are widened to float32 as they are copied into the tile's buffers, so the products above run
 // on float32 alone.
+//
+// Deterministic mode (issue 42): a row's arithmetic is already a function of its absolute
+// position alone (key tiles at absolute positions 0, 64, ...; one online-softmax order; keys
+// past the row add exact zeros), except for a micro-tile short of six rows, which takes other
+// code; in the mode it is padded to six, or to three where AVX-512 has a three-row kernel
+// whose rows run the six-row kernel's instructions (a decode's GQA group). Decode rows then
+// run here as 1-row chunks (deterministic_decode_attention), so that decode, prefill and
+// verification rows share their bits. Threads split (kv head, positions) units, independent
+// outputs, never one row's keys.
 #include "ops.h"
 #include "cpu_isa.h"
 #include "kv_element.h"
@@ -33,6 +42,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -43,6 +53,9 @@ constexpr int64_t kKeyTile = 64;      // keys per tile (several blocks when bloc
 // units copy less per product, down to one unit per thread and kv head for a short chunk.
 constexpr int64_t kPositionTile = 128;
 constexpr int64_t kMicroRows = 6;     // query rows whose scores are computed together
+// Deterministic mode pads a micro-tile of at most this many rows (a decode's GQA group of three)
+// to it, not to kMicroRows, where AVX-512 computes it: half the work for a decode.
+constexpr int64_t kHalfRows = 3;
 constexpr float kNegInf = -1e30f;  // finite: the build uses -ffast-math
 
 template <typename T>
@@ -60,20 +73,22 @@ struct Problem {
   }
 };
 
-// tile_scores for kMicroRows rows with AVX-512: the tile's 64 keys in four registers per
-// dimension, each row's query scalar broadcast against them.
+// tile_scores for Rows rows with AVX-512: the tile's 64 keys in four registers per dimension,
+// each row's query scalar broadcast against them. A row's products and sums are the same
+// instructions in the same order whatever Rows (kMicroRows, or kHalfRows in deterministic mode).
+template <int Rows>
 CHUNKSERVE_AVX512_TARGET void tile_scores_avx512(const float* const* queries, const float* keys_t, int64_t D,
                                                  float* scores) {
   static_assert(kKeyTile == 64, "four 16-float registers per key tile");
-  __m512 acc[kMicroRows][4];
-  for (int r = 0; r < kMicroRows; ++r)
+  __m512 acc[Rows][4];
+  for (int r = 0; r < Rows; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
     const float* keys = keys_t + d * kKeyTile;
     const __m512 k0 = _mm512_loadu_ps(keys), k1 = _mm512_loadu_ps(keys + 16);
     const __m512 k2 = _mm512_loadu_ps(keys + 32), k3 = _mm512_loadu_ps(keys + 48);
 #pragma GCC unroll 6
-    for (int r = 0; r < kMicroRows; ++r) {
+    for (int r = 0; r < Rows; ++r) {
       const __m512 query = _mm512_set1_ps(queries[r][d]);
       acc[r][0] = _mm512_fmadd_ps(query, k0, acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(query, k1, acc[r][1]);
@@ -81,24 +96,26 @@ CHUNKSERVE_AVX512_TARGET void tile_scores_avx512(const float* const* queries, co
       acc[r][3] = _mm512_fmadd_ps(query, k3, acc[r][3]);
     }
   }
-  for (int r = 0; r < kMicroRows; ++r)
+  for (int r = 0; r < Rows; ++r)
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(scores + r * kKeyTile + 16 * v, acc[r][v]);
 }
 
-// tile_values for kMicroRows rows and D a multiple of 64, with AVX-512: 64 columns of each row's
-// sum in four registers, each value row loaded once for the six rows.
+// tile_values for Rows rows and D a multiple of 64, with AVX-512: 64 columns of each row's sum
+// in four registers, each value row loaded once for all the rows (a row's arithmetic the same
+// whatever Rows, as tile_scores_avx512's).
+template <int Rows>
 CHUNKSERVE_AVX512_TARGET void tile_values_avx512(const float* probs, const float* const* values, int64_t keys,
                                                  int64_t D, float* const* acc) {
   for (int64_t c = 0; c < D; c += 64) {
-    __m512 sum[kMicroRows][4];
-    for (int r = 0; r < kMicroRows; ++r)
+    __m512 sum[Rows][4];
+    for (int r = 0; r < Rows; ++r)
       for (int v = 0; v < 4; ++v) sum[r][v] = _mm512_loadu_ps(acc[r] + c + 16 * v);
     for (int64_t k = 0; k < keys; ++k) {
       const float* value = values[k] + c;
       const __m512 v0 = _mm512_loadu_ps(value), v1 = _mm512_loadu_ps(value + 16);
       const __m512 v2 = _mm512_loadu_ps(value + 32), v3 = _mm512_loadu_ps(value + 48);
 #pragma GCC unroll 6
-      for (int r = 0; r < kMicroRows; ++r) {
+      for (int r = 0; r < Rows; ++r) {
         const __m512 p = _mm512_set1_ps(probs[r * kKeyTile + k]);
         sum[r][0] = _mm512_fmadd_ps(p, v0, sum[r][0]);
         sum[r][1] = _mm512_fmadd_ps(p, v1, sum[r][1]);
@@ -106,15 +123,18 @@ CHUNKSERVE_AVX512_TARGET void tile_values_avx512(const float* probs, const float
         sum[r][3] = _mm512_fmadd_ps(p, v3, sum[r][3]);
       }
     }
-    for (int r = 0; r < kMicroRows; ++r)
+    for (int r = 0; r < Rows; ++r)
       for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc[r] + c + 16 * v, sum[r][v]);
   }
 }
 
-// scores[r][k] = sum_d q_r[d] * keys_t[d][k], for `rows` (<= kMicroRows) rows and kKeyTile keys.
+// scores[r][k] = sum_d q_r[d] * keys_t[d][k], for `rows` (<= kMicroRows) rows and kKeyTile keys;
+// with `half_tiles` (deterministic mode), kHalfRows rows take the AVX-512 kernel too (where the
+// default mode keeps them on the portable loop, bit for bit as before).
 void tile_scores(const float* const* queries, int64_t rows, const float* keys_t, int64_t D, float* scores,
-                 bool avx512) {
-  if (avx512 && rows == kMicroRows) return tile_scores_avx512(queries, keys_t, D, scores);
+                 bool avx512, bool half_tiles) {
+  if (avx512 && rows == kMicroRows) return tile_scores_avx512<kMicroRows>(queries, keys_t, D, scores);
+  if (avx512 && half_tiles && rows == kHalfRows) return tile_scores_avx512<kHalfRows>(queries, keys_t, D, scores);
 #ifdef CHUNKSERVE_AVX2
   if (rows == kMicroRows) {
     for (int64_t k = 0; k < kKeyTile; k += 16) {
@@ -149,10 +169,13 @@ void tile_scores(const float* const* queries, int64_t rows, const float* keys_t,
   }
 }
 
-// acc_r += sum_k probs[r][k] * value_k, for `rows` rows, `keys` values (rows of D floats).
+// acc_r += sum_k probs[r][k] * value_k, for `rows` rows, `keys` values (rows of D floats);
+// `half_tiles` as tile_scores'.
 void tile_values(const float* probs, int64_t rows, const float* const* values, int64_t keys, int64_t D,
-                 float* const* acc, bool avx512) {
-  if (avx512 && rows == kMicroRows && D % 64 == 0) return tile_values_avx512(probs, values, keys, D, acc);
+                 float* const* acc, bool avx512, bool half_tiles) {
+  if (avx512 && D % 64 == 0 && rows == kMicroRows) return tile_values_avx512<kMicroRows>(probs, values, keys, D, acc);
+  if (avx512 && D % 64 == 0 && half_tiles && rows == kHalfRows)
+    return tile_values_avx512<kHalfRows>(probs, values, keys, D, acc);
   int64_t r = 0;
 #ifdef CHUNKSERVE_AVX2
   if (D % 32 == 0) {
@@ -191,113 +214,305 @@ void tile_values(const float* probs, int64_t rows, const float* const* values, i
   }
 }
 
-// One kv head j, positions [first, last) of the chunk: writes their rows of `out`.
+// The 16 rows r[0 .. 15] of a 16 x 16 block transposed in place: afterwards r[c] lane i holds what
+// r[i] lane c held. Interleaved pairs, then 4 x 4 blocks within 128-bit lanes, then the lanes.
+CHUNKSERVE_AVX512_TARGET inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved: 2x2 blocks
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 4x4 blocks within each 128-bit lane
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: rows 4q+i of groups 0,1 and 2,3
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// keys_t[d * kKeyTile + k] = element d of key row k widened, for k < keys, and 0 past them, with
+// AVX-512 and D a multiple of 16: each 16 keys x 16 dims block transposed in registers.
 template <typename T>
-void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, float* out, bool avx512) {
-  constexpr bool kWidenValues = !std::is_same_v<T, float>;  // float32 values are read in place
-  const int64_t D = p.D, rows = (last - first) * p.G;
-  std::vector<float> keys_t(D * kKeyTile), scores(kMicroRows * kKeyTile);
-  std::vector<float> widened_values(kWidenValues ? kKeyTile * D : 0);
-  std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f), acc(rows * D, 0.f);
-  std::vector<const float*> values(kKeyTile);
-  const int64_t end_key = p.start + last;  // keys 0 .. start + last - 1 are seen by some row
-  for (int64_t tile = 0; tile < end_key; tile += kKeyTile) {
-    const int64_t keys = std::min(kKeyTile, end_key - tile);
-    for (int64_t k = 0; k < keys; ++k) {
-      const int64_t offset = (p.slot(tile + k) * p.KVH + j) * D;
-      const T* key = p.k_cache + offset;
-      for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + k] = kv::widen(key[d]);
-      if constexpr (kWidenValues) {
-        float* value = widened_values.data() + k * D;
-        for (int64_t d = 0; d < D; ++d) value[d] = kv::widen(p.v_cache[offset + d]);
-        values[k] = value;
+CHUNKSERVE_AVX512_TARGET void transpose_keys_avx512(const T* const* rows, int64_t keys, int64_t D, float* keys_t) {
+  for (int64_t k0 = 0; k0 < kKeyTile; k0 += 16) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 r[16];
+      for (int64_t i = 0; i < 16; ++i) r[i] = k0 + i < keys ? kv::load16(rows[k0 + i] + d0) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t c = 0; c < 16; ++c) _mm512_storeu_ps(keys_t + (d0 + c) * kKeyTile + k0, r[c]);
+    }
+  }
+}
+
+CHUNKSERVE_AVX512_TARGET inline void widen_row_avx512(const c10::BFloat16* row, int64_t D, float* out) {
+  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, kv::load16(row + d));
+}
+
+// One cache line into L1, as an instruction the optimizer keeps: GCC 12 drops __builtin_prefetch
+// and _mm_prefetch from a loop it vectorizes or unswitches, as load_tile's is.
+inline void prefetch_line(const void* address) {
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(address)));
+}
+
+// Asks for the key and value rows of kv head j at `position`: a tile's rows lie in blocks
+// anywhere in the pool, where the hardware prefetcher does not follow.
+template <typename T>
+void prefetch_row(const Problem<T>& p, int64_t j, int64_t position) {
+  const int64_t offset = (p.slot(position) * p.KVH + j) * p.D, row_bytes = p.D * int64_t(sizeof(T));
+  const char* key = reinterpret_cast<const char*>(p.k_cache + offset);
+  const char* value = reinterpret_cast<const char*>(p.v_cache + offset);
+  for (int64_t line = 0; line < row_bytes; line += 64) {
+    prefetch_line(key + line);
+    prefetch_line(value + line);
+  }
+}
+
+// The key rows to prefetch while a tile is loaded: positions [first, end) of kv head j of `p`
+// (the unit's next tile, or the first tile of the thread's next unit; none where end == first).
+template <typename T>
+struct Upcoming {
+  const Problem<T>* p;
+  int64_t j, first, end;
+};
+
+// Key tile `tile` (`keys` keys) of kv head j into the unit's buffers, the rows of `next`
+// prefetched: its keys transposed and widened into keys_t (0 past `keys`: those
+// scores are never used), and values[k] key k's value row as float32 (in place in a float32
+// cache, else widened into `widened`). A copy: its route (transposed in registers or element by
+// element) never changes a bit of the result.
+template <typename T>
+void load_tile(const Problem<T>& p, int64_t j, int64_t tile, int64_t keys, const Upcoming<T>& next, float* keys_t,
+               float* widened, const float** values, bool avx512) {
+  const int64_t D = p.D;
+  const T* rows[kKeyTile];
+  for (int64_t k = 0; k < keys; ++k) {
+    if (k < next.end - next.first) prefetch_row(*next.p, next.j, next.first + k);  // it arrives while this is computed
+    const int64_t offset = (p.slot(tile + k) * p.KVH + j) * D;
+    rows[k] = p.k_cache + offset;
+    if constexpr (std::is_same_v<T, float>) {
+      values[k] = p.v_cache + offset;
+    } else {
+      float* value = widened + k * D;
+      if (avx512 && D % 16 == 0) {
+        widen_row_avx512(p.v_cache + offset, D, value);
       } else {
-        values[k] = p.v_cache + offset;
+        for (int64_t d = 0; d < D; ++d) value[d] = kv::widen(p.v_cache[offset + d]);
       }
+      values[k] = value;
     }
-    for (int64_t k = keys; k < kKeyTile; ++k)
-      for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + k] = 0.f;
-    for (int64_t r0 = 0; r0 < rows; r0 += kMicroRows) {
-      const int64_t micro = std::min(kMicroRows, rows - r0);
-      const int64_t top_position = p.start + first + (r0 + micro - 1) / p.G;
-      if (tile > top_position) continue;  // every key of the tile is after every row's query
-      const float* queries[kMicroRows];
-      float* row_acc[kMicroRows];
-      for (int64_t r = 0; r < micro; ++r) {
-        queries[r] = p.query(j, first, r0 + r);
-        row_acc[r] = acc.data() + (r0 + r) * D;
-      }
-      tile_scores(queries, micro, keys_t.data(), D, scores.data(), avx512);
-      for (int64_t r = 0; r < micro; ++r) {
-        float* row = scores.data() + r * kKeyTile;
-        const int64_t seen =  // the tile's keys at or before the row's position
-            std::clamp<int64_t>(p.start + first + (r0 + r) / p.G - tile + 1, 0, keys);
-        float tile_max = kNegInf;
-        for (int64_t k = 0; k < seen; ++k) tile_max = std::max(tile_max, row[k] * p.scale);
-        const int64_t i = r0 + r;
-        const float new_max = std::max(row_max[i], tile_max);
-        const float rescale = std::exp(row_max[i] - new_max);  // 0 on the first tile
-        float total = 0.f;
+  }
+  for (int64_t k = keys; k < next.end - next.first; ++k) prefetch_row(*next.p, next.j, next.first + k);
+  if (avx512 && D % 16 == 0) return transpose_keys_avx512(rows, keys, D, keys_t);
+  for (int64_t k = 0; k < kKeyTile; ++k)
+    for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + k] = k < keys ? kv::widen(rows[k][d]) : 0.f;
+}
+
+// One unit of work, kv head j and positions [first, last) of a chunk: its buffers, and each row's
+// running max, sum and weighted value sum (online softmax), fed one key tile at a time. Where
+// `deterministic`, a micro-tile short of kMicroRows (kHalfRows) rows is padded with rows whose results are
+// dropped, so that every row takes the full micro-tile's code whatever its place: its bits then
+// depend only on its absolute position (the key tiles start at absolute positions already).
+template <typename T>
+class Unit {
+ public:
+  Unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, bool avx512, bool deterministic)
+      : p_(p), j_(j), first_(first), rows_((last - first) * p.G), end_key_(p.start + last), avx512_(avx512),
+        deterministic_(deterministic), keys_t_(new float[p.D * kKeyTile]),
+        widened_values_(new float[std::is_same_v<T, float> ? 0 : kKeyTile * p.D]),  // float32 values: read in place
+        padding_acc_(deterministic ? p.D : 0),
+        row_max_(rows_, kNegInf), row_sum_(rows_, 0.f), acc_(rows_ * p.D, 0.f), values_(kKeyTile) {}
+
+  int64_t end_key() const { return end_key_; }  // keys 0 .. end_key - 1 are seen by some row
+
+  // The keys tile .. tile + kKeyTile - 1 (a multiple of kKeyTile) that are before end_key; during
+  // the last tile, the rows of `following` are prefetched.
+  void attend_tile(int64_t tile, const Upcoming<T>& following) {
+    const int64_t keys = std::min(kKeyTile, end_key_ - tile);
+    const int64_t next = tile + kKeyTile;
+    const Upcoming<T> upcoming =
+        next < end_key_ ? Upcoming<T>{&p_, j_, next, std::min(next + kKeyTile, end_key_)} : following;
+    load_tile(p_, j_, tile, keys, upcoming, keys_t_.get(), widened_values_.get(), values_.data(), avx512_);
+    for (int64_t r0 = 0; r0 < rows_; r0 += kMicroRows) attend_micro_tile(r0, tile, keys);
+  }
+
+  // Each row's output, acc / sum, into its place in `out` ([positions, heads, D] from `first`).
+  void finish(float* out) const {
+    for (int64_t i = 0; i < rows_; ++i) {
+      const float inverse = 1.f / row_sum_[i];
+      float* result = out + ((first_ + i / p_.G) * p_.H + j_ * p_.G + i % p_.G) * p_.D;
+#pragma omp simd
+      for (int64_t d = 0; d < p_.D; ++d) result[d] = acc_[i * p_.D + d] * inverse;
+    }
+  }
+
+ private:
+  void attend_micro_tile(int64_t r0, int64_t tile, int64_t keys) {
+    const int64_t micro = std::min(kMicroRows, rows_ - r0);
+    if (tile > p_.start + first_ + (r0 + micro - 1) / p_.G) return;  // every key is after every row's query
+    const bool half = deterministic_ && avx512_ && micro <= kHalfRows;
+    const int64_t computed = !deterministic_ ? micro : half ? kHalfRows : kMicroRows;  // with the padding rows
+    const float* queries[kMicroRows];
+    float* row_acc[kMicroRows];
+    for (int64_t r = 0; r < computed; ++r) {
+      queries[r] = r < micro ? p_.query(j_, first_, r0 + r) : queries[0];
+      row_acc[r] = r < micro ? acc_.data() + (r0 + r) * p_.D : padding_acc_.data();
+    }
+    tile_scores(queries, computed, keys_t_.get(), p_.D, scores_, avx512_, deterministic_);
+    std::fill(scores_ + micro * kKeyTile, scores_ + computed * kKeyTile, 0.f);  // padding rows add nothing
+    for (int64_t r = 0; r < micro; ++r) {
+      const int64_t seen =  // the tile's keys at or before the row's position
+          std::clamp<int64_t>(p_.start + first_ + (r0 + r) / p_.G - tile + 1, 0, keys);
+      softmax_step(r0 + r, scores_ + r * kKeyTile, seen, row_acc[r]);
+    }
+    tile_values(scores_, computed, values_.data(), keys, p_.D, row_acc, avx512_, deterministic_);
+  }
+
+  // Row i's scores of a tile -> its weights (exp relative to the new running max), its sum and
+  // value sum rescaled to that max.
+  void softmax_step(int64_t i, float* row, int64_t seen, float* row_acc) {
+    float tile_max = kNegInf;
+    for (int64_t k = 0; k < seen; ++k) tile_max = std::max(tile_max, row[k] * p_.scale);
+    const float new_max = std::max(row_max_[i], tile_max);
+    const float rescale = std::exp(row_max_[i] - new_max);  // 0 on the first tile
+    float total = 0.f;
 #pragma omp simd reduction(+ : total)
-        for (int64_t k = 0; k < seen; ++k) {
-          row[k] = std::exp(row[k] * p.scale - new_max);
-          total += row[k];
-        }
-        std::fill(row + seen, row + kKeyTile, 0.f);
-        row_sum[i] = row_sum[i] * rescale + total;
-        row_max[i] = new_max;
-        if (rescale != 1.f) {
+    for (int64_t k = 0; k < seen; ++k) {
+      row[k] = std::exp(row[k] * p_.scale - new_max);
+      total += row[k];
+    }
+    std::fill(row + seen, row + kKeyTile, 0.f);
+    row_sum_[i] = row_sum_[i] * rescale + total;
+    row_max_[i] = new_max;
+    if (rescale != 1.f) {
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) row_acc[r][d] *= rescale;
-        }
-      }
-      tile_values(scores.data(), micro, values.data(), keys, D, row_acc, avx512);
+      for (int64_t d = 0; d < p_.D; ++d) row_acc[d] *= rescale;
     }
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    const float inverse = 1.f / row_sum[i];
-    float* result = out + ((first + i / p.G) * p.H + j * p.G + i % p.G) * D;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) result[d] = acc[i * D + d] * inverse;
-  }
+
+  const Problem<T>& p_;
+  const int64_t j_, first_, rows_, end_key_;
+  const bool avx512_, deterministic_;
+  // aligned: the vectorized loops over a row's scores never peel by the stack's address
+  alignas(64) float scores_[kMicroRows * kKeyTile];
+  // written by load_tile before each read: not cleared (a unit of a decode is short; clearing showed)
+  std::unique_ptr<float[]> keys_t_, widened_values_;
+  std::vector<float> padding_acc_, row_max_, row_sum_, acc_;
+  std::vector<const float*> values_;
+};
+
+// One kv head j, positions [first, last) of the chunk: writes their rows of `out`; the rows of
+// `following` are prefetched during its last tile.
+template <typename T>
+void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, float* out, bool avx512,
+                 bool deterministic, const Upcoming<T>& following) {
+  Unit<T> unit(p, j, first, last, avx512, deterministic);
+  for (int64_t tile = 0; tile < unit.end_key(); tile += kKeyTile) unit.attend_tile(tile, following);
+  unit.finish(out);
+}
+
+// The checks of both entry points: q float32 [rows, heads, D], the caches contiguous, of one dtype and
+// [slots, kv_heads, D], heads a multiple of kv heads, and every block id of `tables` in the cache.
+void check_inputs(const char* name, const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const torch::Tensor& tables, int64_t block_size) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == v_cache.scalar_type(), name,
+              ": q float32, the caches of one dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), name, ": contiguous caches");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.size(2) == q.size(2), name, ": q [n, heads, D], caches [slots, kv_heads, D]");
+  TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.is_contiguous() && block_size > 0, name,
+              ": int64 block tables, a positive block size");
+  const int64_t* blocks = tables.data_ptr<int64_t>();
+  const int64_t num_blocks = k_cache.size(0) / block_size;
+  TORCH_CHECK(std::all_of(blocks, blocks + tables.numel(), [&](int64_t b) { return b >= 0 && b < num_blocks; }),
+              name, ": a block id outside the cache");
 }
 
 }  // namespace
 
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                      torch::Tensor block_table, int64_t start, int64_t block_size, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_prefill_attention: q float32, the caches of one dtype");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 1,
-              "paged_prefill_attention: a 1-d int64 block table");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_prefill_attention: contiguous caches");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
-              k_cache.size(2) == q.size(2), "paged_prefill_attention: q [n, heads, D], caches [slots, kv_heads, D]");
+                                      torch::Tensor block_table, int64_t start, int64_t block_size, double scale,
+                                      bool deterministic) {
   q = q.contiguous();
   block_table = block_table.contiguous();
+  TORCH_CHECK(block_table.dim() == 1, "paged_prefill_attention: a 1-d int64 block table");
+  check_inputs("paged_prefill_attention", q, k_cache, v_cache, block_table, block_size);
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(block_size > 0 && start >= 0 && start + n <= block_table.size(0) * block_size,
-              "chunk out of the block table");
-  const int64_t* blocks = block_table.data_ptr<int64_t>();
-  const int64_t num_blocks = k_cache.size(0) / block_size;
-  TORCH_CHECK(std::all_of(blocks, blocks + block_table.size(0), [&](int64_t b) { return b >= 0 && b < num_blocks; }),
-              "paged_prefill_attention: a block id outside the cache");
+  TORCH_CHECK(start >= 0 && start + n <= block_table.size(0) * block_size, "chunk out of the block table");
   auto out = torch::empty_like(q);
   float* out_data = out.data_ptr<float>();
   // Units (kv head, position tile), the last position tiles (the most keys) first.
   const int64_t tiles = (n + kPositionTile - 1) / kPositionTile, units = tiles * KVH;
   CHUNKSERVE_DISPATCH_KV(k_cache.scalar_type(), "paged_prefill_attention", [&] {
     const Problem<scalar_t> problem{q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                    blocks, start, H, KVH, D, H / KVH, block_size, static_cast<float>(scale)};
+                                    block_table.data_ptr<int64_t>(), start, H, KVH, D, H / KVH, block_size,
+                                    static_cast<float>(scale)};
     const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       for (int64_t unit = next++; unit < units; unit = next++) {
         const int64_t tile = tiles - 1 - unit / KVH, j = unit % KVH;
-        attend_unit(problem, j, tile * kPositionTile, std::min(n, (tile + 1) * kPositionTile), out_data, avx512);
+        attend_unit(problem, j, tile * kPositionTile, std::min(n, (tile + 1) * kPositionTile), out_data, avx512,
+                    deterministic, Upcoming<scalar_t>{&problem, j, 0, 0});
       }
     });
   });
   return out;
+}
+
+torch::Tensor deterministic_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                             torch::Tensor block_tables, torch::Tensor context_lens,
+                                             int64_t block_size, double scale) {
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  check_inputs("deterministic_decode_attention", q, k_cache, v_cache, block_tables, block_size);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0) &&
+              context_lens.scalar_type() == torch::kInt64,
+              "deterministic_decode_attention: tables [B, blocks], int64 lens [B]");
+  const int64_t batch = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  std::vector<int64_t> order(batch);  // the longest contexts first
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "context length out of the block table");
+    order[b] = b;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  auto out = torch::empty_like(q);
+  float* out_data = out.data_ptr<float>();
+  const int64_t units = batch * KVH;  // (decode, kv head): independent rows
+  CHUNKSERVE_DISPATCH_KV(k_cache.scalar_type(), "deterministic_decode_attention", [&] {
+    const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+    std::vector<Problem<scalar_t>> rows;  // each decode as a 1-row chunk at its position
+    for (int64_t b = 0; b < batch; ++b)
+      rows.push_back({q.data_ptr<float>() + b * H * D, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                      block_tables.data_ptr<int64_t>() + b * max_blocks, lens[b] - 1, H, KVH, D, H / KVH, block_size,
+                      static_cast<float>(scale)});
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      // a thread takes its next unit before computing this one, to prefetch that one's first tile
+      for (int64_t unit = next++, following = next++; unit < units; unit = following, following = next++) {
+        const int64_t b = order[unit / KVH], j = unit % KVH;
+        const Upcoming<scalar_t> upcoming =
+            following < units ? Upcoming<scalar_t>{&rows[order[following / KVH]], following % KVH, 0,
+                                                   std::min(kKeyTile, lens[order[following / KVH]])}
+                              : Upcoming<scalar_t>{&rows[b], j, 0, 0};
+        attend_unit(rows[b], j, 0, 1, out_data + b * H * D, avx512, true, upcoming);
+      }
+    });
+  });
+    return out;
 }
