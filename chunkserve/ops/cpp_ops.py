@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from chunkserve.config.engine import OP_BACKENDS
 from chunkserve.errors import InvalidRequestError
+from chunkserve.ops.deterministic_ops import deterministic_model_ops
 from chunkserve.ops.model_ops import BlockWeight, ModelOps, torch_ops
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_CSRC, name)
             for name in ("ops.cpp", "cpu_isa.cpp", "paged_attention.cpp", "prefill_attention.cpp",
                          "small_batch_linear.cpp", "block_linear_avx512.cpp", "block_linear_vnni.cpp",
-                         "elementwise.cpp", "decoder_layer.cpp")]
+                         "elementwise.cpp", "decoder_layer.cpp", "deterministic_linear.cpp")]
 
 # Up to this many rows the C++ linear beats or equals MKL on the layer shapes of SmolLM2-135M
 # here, in the layers alone (benchmarks/kernels/small_batch_linear.py) and in whole steps
@@ -151,6 +152,10 @@ class CppOps:
     onednn_bf16_linear: Callable[..., torch.Tensor]
     pack_linear_weight: Callable[[torch.Tensor, torch.dtype], torch.Tensor | None]
     decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    dequantized_linear: Callable[..., torch.Tensor]  # (x, weight, bias): block_quantized_linear's bits, from floats
+    bf16_dot_linear: Callable[..., torch.Tensor]  # (x, weight or blocks, ggml_type or -1, bias), one order each
+    round_to_bf16: Callable[[torch.Tensor], torch.Tensor]  # a float32 weight as bf16_dot_linear reads it
+    deterministic_bf16_supported: Callable[[], bool]  # whether bf16_dot_linear runs here (AVX512_BF16)
     cpu_has_vnni: Callable[[], bool]  # whether `block_quantized_linear` can take int8_activations here
     cpu_isa: Callable[[], str]  # the instruction set of the kernels that have several: avx512, avx2, portable
     set_cpu_isa: Callable[[str], str]  # another one this CPU has (tests, benchmarks); returns the last
@@ -158,10 +163,14 @@ class CppOps:
     def attention_kernels(self) -> AttentionKernels:
         return AttentionKernels(decode=self.decode_attention, prefill=self.prefill_attention)
 
-    def model_ops(self, linear_dtype: torch.dtype = torch.float32, int8_activations: bool = False) -> ModelOps:
+    def model_ops(self, linear_dtype: torch.dtype = torch.float32, int8_activations: bool = False,
+                  deterministic: bool = False) -> ModelOps:
         """The layer ops, with the linear layers' packed weights in `linear_dtype` (float32, or
         bfloat16 for bfloat16 mode), and the GGUF blocks' products with 8-bit activations where
-        `int8_activations`."""
+        `int8_activations`; with `deterministic`, linears whose row bits do not depend on the
+        batch (deterministic_ops.py)."""
+        if deterministic:
+            return deterministic_model_ops(self, linear_dtype, int8_activations)
         bf16 = linear_dtype == torch.bfloat16
         linear, logits = (self.bf16_linear, self.bf16_logits) if bf16 else (self.linear, self.logits)
         if int8_activations:
@@ -255,21 +264,29 @@ def build_cpp_ops() -> CppOps:
                   rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul,
                   onednn_linear=onednn_linear, onednn_bf16_linear=onednn_bf16_linear,
                   pack_linear_weight=pack_for_onednn, decoder_layer=module.decoder_layer,
+                  dequantized_linear=module.dequantized_linear, bf16_dot_linear=module.bf16_dot_linear,
+                  round_to_bf16=module.round_to_bf16,
+                  deterministic_bf16_supported=module.deterministic_bf16_supported,
                   cpu_has_vnni=module.cpu_has_vnni, cpu_isa=module.cpu_isa,
                   set_cpu_isa=module.set_cpu_isa)
 
 
-def model_ops_for(cpp_ops: CppOps | None, linear_dtype: torch.dtype, int8_activations: bool = False) -> ModelOps:
+def model_ops_for(cpp_ops: CppOps | None, linear_dtype: torch.dtype, int8_activations: bool = False,
+                  deterministic: bool = False) -> ModelOps:
     """The layer ops a model computes with: the C++ ones, or plain torch where `cpp_ops` is None,
     for float32 or bfloat16 linear layers (`LlamaModel.compute_dtype`), with 8-bit activations
-    for the GGUF blocks where `int8_activations` (C++ only)."""
+    for the GGUF blocks where `int8_activations` (C++ only), batch-invariant where
+    `deterministic` (C++ only)."""
     if cpp_ops is None:
+        if deterministic:
+            raise InvalidRequestError("--deterministic runs in the C++ ops, which are off here (--op-backend torch, "
+                                      "or they could not be built): use --op-backend cpp", param="deterministic")
         if int8_activations:
             raise InvalidRequestError("--int8-activations runs in the C++ ops, which are off here (--op-backend torch, "
                                       "or they could not be built): leave the flag off or use --op-backend cpp",
                                       param="int8_activations")
         return torch_ops(linear_dtype)
-    return cpp_ops.model_ops(linear_dtype, int8_activations)
+    return cpp_ops.model_ops(linear_dtype, int8_activations, deterministic)
 
 
 def cpp_ops_for(backend: str) -> CppOps | None:

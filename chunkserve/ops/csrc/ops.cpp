@@ -14,6 +14,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quantized_linear", &block_quantized_linear, "x @ weight^T (+ bias), the weight as GGUF blocks",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("ggml_type"), pybind11::arg("bias"),
         pybind11::arg("int8_activations") = false, release_gil());
+  m.def("dequantized_linear", &dequantized_linear, "x @ weight^T (+ bias), the bits of the weight's GGUF blocks",
+        release_gil());
+  m.def("bf16_dot_linear", &bf16_dot_linear, "x @ weight^T (+ bias) in bfloat16, one order per element",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("ggml_type"), pybind11::arg("bias"), release_gil());
+  m.def("round_to_bf16", &round_to_bf16, "a float32 weight as bf16_dot_linear reads it", release_gil());
+  m.def("deterministic_bf16_supported", &deterministic_bf16_supported, "whether bf16_dot_linear runs here");
   m.def("rms_norm", &rms_norm, "RMS norm over the last dim", release_gil());
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMS norm of the residual", release_gil());
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k, in place", release_gil());

@@ -28,6 +28,21 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, c10::opt
 torch::Tensor block_quantized_linear(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
                                      c10::optional<torch::Tensor> bias, bool int8_activations);
 
+// Deterministic mode (deterministic_linear.cpp): every output element has one reduction order over
+// K for any number of rows of x and any position of a row among them.
+// x @ weight^T + bias on the float32 weight [N, K] (K a multiple of 32) that GGUF blocks
+// dequantize to, with the bits block_quantized_linear gives on those blocks.
+torch::Tensor dequantized_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+// bfloat16 mode: x (float32 [M, K]) and the weight rounded to bfloat16, products summed in float32;
+// the weight round_to_bf16's [N, K padded to 32] (ggml_type -1) or GGUF blocks of ggml_type, the
+// same bits from either. Returns float32 [M, N]. Needs AVX512_BF16 (deterministic_bf16_supported).
+torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor weight, int64_t ggml_type,
+                              c10::optional<torch::Tensor> bias);
+// float32 [N, K] -> bfloat16 [N, K padded to a multiple of 32 with zeros], as bf16_dot_linear reads it.
+torch::Tensor round_to_bf16(torch::Tensor weight);
+// Whether this CPU (and the instruction set set_cpu_isa chose) runs bf16_dot_linear.
+bool deterministic_bf16_supported();
+
 // Over the last dim: x * rsqrt(mean(x^2) + eps) * weight. float32.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 
