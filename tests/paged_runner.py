@@ -16,10 +16,11 @@ BLOCK_SIZE = 16
 class PagedRunner:
     """Drives the model over a paged cache with deliberately scattered block tables."""
 
-    def __init__(self, model, config, num_blocks: int = 256, cpp_ops=None) -> None:
-        """`cpp_ops`: compute through the C++ ops (None: plain torch)."""
+    def __init__(self, model, config, num_blocks: int = 256, cpp_ops=None, deterministic: bool = False) -> None:
+        """`cpp_ops`: compute through the C++ ops (None: plain torch); `deterministic`: their
+        batch-invariant linears."""
         self.attention_kernels = None if cpp_ops is None else cpp_ops.attention_kernels()
-        model.set_ops(model_ops_for(cpp_ops, model.compute_dtype, model.int8_activations))
+        model.set_ops(model_ops_for(cpp_ops, model.compute_dtype, model.int8_activations, deterministic))
         self.model, self.kv = model, allocate_kv_cache(config, model.compute_dtype, num_blocks, BLOCK_SIZE)
         self.free = list(np.random.default_rng(0).permutation(num_blocks))
         self.tables: dict[str, list[int]] = {}

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.support import add_smoke_flag  # benchmarks/support.py
+
 from chunkserve.ops.cpp_ops import CppOps, build_cpp_ops, onednn_linear, pack_for_onednn
 from chunkserve.ops.model_ops import BlockWeight, ModelOps
 
@@ -100,7 +101,6 @@ def main() -> None:
         print(f"{rows:>5}{mkl:>9.1f}{cpp:>9.1f}{quantized:>11.1f}{int8_total:>9.1f}{onednn:>11.1f}{mkl / cpp:>8.2f}x"
               f"{mkl / quantized:>11.2f}x{mkl / onednn:>11.2f}x   "
               + ", ".join(per_shape))
-
 
 
 def compare_deterministic(ops: CppOps, shapes: dict[str, tuple[int, int]], layers: int, rows: list[int],

@@ -68,7 +68,7 @@ def _float_twin(weight: torch.Tensor) -> torch.Tensor | None:
     layer the blocks' exact dequantization, which the model holds already: no copy)."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 32:
         return None
-    return weight.contiguous()
+    return weight.detach().contiguous()  # a plain tensor on the same storage, not a second Parameter
 
 
 def _float32_linear(cpp_ops: CppOps, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

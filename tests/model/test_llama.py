@@ -93,7 +93,14 @@ def test_one_call_layers_read_gguf_blocks_with_the_same_logits(cpp_ops, tiny_ggu
     assert_one_call_layers_equal_the_parts(cpp_ops, tiny_gguf, dtype)
 
 
-def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "float32") -> None:
+def test_one_call_layers_give_the_per_part_bits_in_deterministic_mode(cpp_ops, tiny_gguf):
+    """Deterministic mode keeps the one-call layer for the decode rows that read the blocks:
+    it calls the kernels the per-part path calls there."""
+    assert_one_call_layers_equal_the_parts(cpp_ops, tiny_gguf, deterministic=True)
+
+
+def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "float32",
+                                           deterministic: bool = False) -> None:
     source = resolve_model(model)
     config = load_model_config(source)
     calls = []
@@ -103,7 +110,7 @@ def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "fl
         return cpp_ops.decoder_layer(*args)
 
     fused_ops = dataclasses.replace(cpp_ops, decoder_layer=counted)
-    fused, parts = (PagedRunner(load_model(source, config, dtype, 512), config, cpp_ops=ops)
+    fused, parts = (PagedRunner(load_model(source, config, dtype, 512), config, cpp_ops=ops, deterministic=deterministic)
                     for ops in (fused_ops, cpp_ops))
     for layer in parts.model.layers:
         layer.fused_weights = None

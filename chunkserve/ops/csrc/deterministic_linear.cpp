@@ -32,9 +32,10 @@
 namespace {
 
 constexpr int kRowTile = 8;
+constexpr int64_t kTileRowsBytes = 24 * 1024;  // half of L1
 // Features of a thread's range done together over all rows: their weights stay in L2 while every
 // row tile reads them.
-constexpr int64_t kSliceFeatures = 64;
+constexpr int64_t kSliceFeatures = 48;
 // Weight rows ahead that each tile prefetches (as block_linear_avx512.cpp: decode streams them).
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kBf16Lanes = 32;  // bfloat16 values in a register: one GGUF block
@@ -87,13 +88,50 @@ struct Bf16BlockSource : Bf16Source {  // GGUF blocks [N, K / 32 blocks], each e
   }
 };
 
+// sums[i] = the sum of v[i]'s lanes by _mm512_reduce_add_ps's tree (lane i + i + 8, then + 4,
+// + 2, + 1), so with its bits, for 16 registers at once: the tree's levels of 16 sums share their
+// shuffles and additions, a third of the instructions of 16 reductions one by one.
+CHUNKSERVE_AVX512_TARGET inline void reduce_16(const __m512* v, float* sums) {
+  __m512 halves[8], quarters[4], eighths[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // [v[2i] lanes 0-7 + 8-15, v[2i+1] lanes 0-7 + 8-15]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // 128-bit lane j: register 4i + j's lanes 0-3 + 4-7
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)  // lane j: [0 + 2, 1 + 3] of register 8i + j, then of 8i + 4 + j
+    eighths[i] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x44),
+                               _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xEE));
+  // lane j: the sums of registers j, 4 + j, 8 + j, 12 + j
+  const __m512 last = _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], 0x88),
+                                    _mm512_shuffle_ps(eighths[0], eighths[1], 0xDD));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, last);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) sums[i] = lanes[i % 4 * 4 + i / 4];
+}
+
+// reduce_16 over `Count` registers, the last fewer than 16 one by one (the same tree).
+template <int Count>
+CHUNKSERVE_AVX512_TARGET inline void reduce_lanes(const __m512* v, float* sums) {
+  int i = 0;
+  for (; i + 16 <= Count; i += 16) reduce_16(v + i, sums + i);
+#pragma GCC unroll 16
+  for (; i < Count; ++i) sums[i] = _mm512_reduce_add_ps(v[i]);
+}
+
 // y[r * ldy + f] = x[r] . w[first + f] for R rows of x (K apart) and F features.
 template <class Source, int R, int F>
 CHUNKSERVE_AVX512_BF16_TARGET void tile(const Source& source, const typename Source::X* x, int64_t first, float* y,
                                         int64_t ldy) {
   const int64_t K = source.K;
   __m512 acc[R][F];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
     for (int f = 0; f < F; ++f) acc[r][f] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += Source::kStep) {
     decltype(source.load(0, 0)) w[F];
@@ -101,13 +139,18 @@ CHUNKSERVE_AVX512_BF16_TARGET void tile(const Source& source, const typename Sou
     for (int f = 0; f < F; ++f) w[f] = source.load(first + f, k);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const auto row = Source::load_x(x + r * K, k);
+      auto row = Source::load_x(x + r * K, k);
+      asm("" : "+v"(row));  // one load per row: folded into each product it would be loaded F times
 #pragma GCC unroll 8
       for (int f = 0; f < F; ++f) acc[r][f] = Source::dot(acc[r][f], row, w[f]);
     }
   }
+  float sums[R * F];
+  reduce_lanes<R * F>(&acc[0][0], sums);
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int f = 0; f < F; ++f) y[r * ldy + f] = _mm512_reduce_add_ps(acc[r][f]);
+#pragma GCC unroll 8
+    for (int f = 0; f < F; ++f) y[r * ldy + f] = sums[r * F + f];
 }
 
 // Features [first, stop) of R rows.
@@ -123,13 +166,16 @@ CHUNKSERVE_AVX512_BF16_TARGET void features(const Source& source, const typename
 template <class Source>
 void linear(const Source& source, const typename Source::X* x, int64_t M, float* y, int64_t N) {
   const int64_t K = source.K;
+  // fewer rows a tile where their x would not stay in L1 beside the tile's weights
+  const int64_t row_tile = kRowTile * K * static_cast<int64_t>(sizeof(typename Source::X)) <= kTileRowsBytes
+                               ? kRowTile : kRowTile / 2;
   at::parallel_for(0, N, kSliceFeatures, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; s += kSliceFeatures) {
       const int64_t stop = std::min(end, s + kSliceFeatures);
-      for (int64_t m = 0; m < M; m += kRowTile) {
+      for (int64_t m = 0; m < M; m += row_tile) {
         const auto* rows = x + m * K;
         float* out = y + m * N;
-        switch (std::min<int64_t>(kRowTile, M - m)) {
+        switch (std::min<int64_t>(row_tile, M - m)) {
           case 1: features<Source, 1>(source, rows, out, N, s, stop); break;
           case 2: features<Source, 2>(source, rows, out, N, s, stop); break;
           case 3: features<Source, 3>(source, rows, out, N, s, stop); break;
