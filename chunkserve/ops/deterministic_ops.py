@@ -35,9 +35,9 @@ if TYPE_CHECKING:
 # Up to this many rows a GGUF layer's float32 products read its blocks, above its dequantized
 # floats: the same bits either way, the faster of the two each side (benchmarks/kernels/
 # small_batch_linear.py --deterministic).
-DETERMINISTIC_BLOCK_MAX_ROWS = 16
+DETERMINISTIC_BLOCK_MAX_ROWS = 64
 # The same in bfloat16 mode, between the blocks and the packed bfloat16 weight.
-DETERMINISTIC_BF16_BLOCK_MAX_ROWS = 16
+DETERMINISTIC_BF16_BLOCK_MAX_ROWS = 12
 
 
 def deterministic_model_ops(cpp_ops: CppOps, linear_dtype: torch.dtype, int8_activations: bool) -> ModelOps:

@@ -27,9 +27,10 @@ def assert_rows_invariant(run: Callable[[slice], torch.Tensor]) -> None:
 
 def linear_inputs(kind: str, features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, object]:
     """x [BATCH, K], a weight [features, K] and its GGUF blocks of type `kind` (None for a dense
-    "float32" weight, whose K is no multiple of 32, to cover the kernels' tails)."""
+    "float32" weight, whose K is no multiple of 32, to cover the kernels' tails; the blocks' K
+    the MLP down projection's, which the float32 kernel takes in two runs)."""
     generator = torch.Generator().manual_seed(seed)
-    depth = 200 if kind == "float32" else 576
+    depth = 200 if kind == "float32" else 1536
     x = torch.randn(BATCH, depth, generator=generator)
     weight = torch.randn(features, depth, generator=generator)
     if kind == "float32":

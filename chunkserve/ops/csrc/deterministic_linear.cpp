@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <memory>
 
 #define CHUNKSERVE_AVX512_BF16_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
@@ -32,10 +33,10 @@
 namespace {
 
 constexpr int kRowTile = 8;
-constexpr int64_t kTileRowsBytes = 24 * 1024;  // half of L1
+constexpr int64_t kTileRowsBytes = 24 * 1024;  // the x of a row tile over a K run: half of L1
 // Features of a thread's range done together over all rows: their weights stay in L2 while every
 // row tile reads them.
-constexpr int64_t kSliceFeatures = 48;
+constexpr int64_t kSliceFeatures = 144;
 // Weight rows ahead that each tile prefetches (as block_linear_avx512.cpp: decode streams them).
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kBf16Lanes = 32;  // bfloat16 values in a register: one GGUF block
@@ -123,17 +124,27 @@ CHUNKSERVE_AVX512_TARGET inline void reduce_lanes(const __m512* v, float* sums) 
   for (; i < Count; ++i) sums[i] = _mm512_reduce_add_ps(v[i]);
 }
 
-// y[r * ldy + f] = x[r] . w[first + f] for R rows of x (K apart) and F features.
+// A run of K positions [begin, end) of a tile's dot products. The tile's sums start from zero at
+// K's start, else from `partial`, where the run before left them; they end in y at K's end,
+// else in `partial` (sum (r, f) at (f * kRowTile + r) * 16): the products and their order are
+// those of one run over K, the sums stored and reloaded exactly.
+struct KRun {
+  int64_t begin, end;
+  float* partial;
+};
+
+// y[r * ldy + f] = x[r] . w[first + f] for R rows of x (K apart) and F features, over `run`.
 template <class Source, int R, int F>
 CHUNKSERVE_AVX512_BF16_TARGET void tile(const Source& source, const typename Source::X* x, int64_t first, float* y,
-                                        int64_t ldy) {
+                                        int64_t ldy, const KRun& run) {
   const int64_t K = source.K;
   __m512 acc[R][F];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int f = 0; f < F; ++f) acc[r][f] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += Source::kStep) {
+    for (int f = 0; f < F; ++f)
+      acc[r][f] = run.begin == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(run.partial + (f * kRowTile + r) * 16);
+  for (int64_t k = run.begin; k < run.end; k += Source::kStep) {
     decltype(source.load(0, 0)) w[F];
 #pragma GCC unroll 8
     for (int f = 0; f < F; ++f) w[f] = source.load(first + f, k);
@@ -145,6 +156,13 @@ CHUNKSERVE_AVX512_BF16_TARGET void tile(const Source& source, const typename Sou
       for (int f = 0; f < F; ++f) acc[r][f] = Source::dot(acc[r][f], row, w[f]);
     }
   }
+  if (run.end < K) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int f = 0; f < F; ++f) _mm512_storeu_ps(run.partial + (f * kRowTile + r) * 16, acc[r][f]);
+    return;
+  }
   float sums[R * F];
   reduce_lanes<R * F>(&acc[0][0], sums);
 #pragma GCC unroll 8
@@ -153,37 +171,48 @@ CHUNKSERVE_AVX512_BF16_TARGET void tile(const Source& source, const typename Sou
     for (int f = 0; f < F; ++f) y[r * ldy + f] = sums[r * F + f];
 }
 
-// Features [first, stop) of R rows.
+// Features [first, stop) of R rows, over `run` (its partial sums those of feature `first` on).
 template <class Source, int R>
 CHUNKSERVE_AVX512_BF16_TARGET void features(const Source& source, const typename Source::X* x, float* y, int64_t N,
-                                            int64_t first, int64_t stop) {
+                                            int64_t first, int64_t stop, const KRun& run) {
   constexpr int F = kFeatureTile<R>;
   int64_t n = first;
-  for (; n + F <= stop; n += F) tile<Source, R, F>(source, x, n, y + n, N);
-  for (; n < stop; ++n) tile<Source, R, 1>(source, x, n, y + n, N);
+  for (; n + F <= stop; n += F)
+    tile<Source, R, F>(source, x, n, y + n, N, {run.begin, run.end, run.partial + (n - first) * kRowTile * 16});
+  for (; n < stop; ++n)
+    tile<Source, R, 1>(source, x, n, y + n, N, {run.begin, run.end, run.partial + (n - first) * kRowTile * 16});
+}
+
+// K positions per run: a row tile's x over a run stays in L1 beside the weights streaming past it
+// (one run where K is short enough; the MLP's down projection takes two in float32).
+template <class Source>
+int64_t k_run(int64_t K) {
+  const int64_t fits = kTileRowsBytes / (kRowTile * static_cast<int64_t>(sizeof(typename Source::X)));
+  return std::min(K, std::max(Source::kStep, fits / Source::kStep * Source::kStep));
 }
 
 template <class Source>
 void linear(const Source& source, const typename Source::X* x, int64_t M, float* y, int64_t N) {
-  const int64_t K = source.K;
-  // fewer rows a tile where their x would not stay in L1 beside the tile's weights
-  const int64_t row_tile = kRowTile * K * static_cast<int64_t>(sizeof(typename Source::X)) <= kTileRowsBytes
-                               ? kRowTile : kRowTile / 2;
+  const int64_t K = source.K, run_length = k_run<Source>(K);
   at::parallel_for(0, N, kSliceFeatures, [&](int64_t begin, int64_t end) {
+    const std::unique_ptr<float[]> partial(run_length < K ? new float[kSliceFeatures * kRowTile * 16] : nullptr);
     for (int64_t s = begin; s < end; s += kSliceFeatures) {
       const int64_t stop = std::min(end, s + kSliceFeatures);
-      for (int64_t m = 0; m < M; m += row_tile) {
+      for (int64_t m = 0; m < M; m += kRowTile) {
         const auto* rows = x + m * K;
         float* out = y + m * N;
-        switch (std::min<int64_t>(row_tile, M - m)) {
-          case 1: features<Source, 1>(source, rows, out, N, s, stop); break;
-          case 2: features<Source, 2>(source, rows, out, N, s, stop); break;
-          case 3: features<Source, 3>(source, rows, out, N, s, stop); break;
-          case 4: features<Source, 4>(source, rows, out, N, s, stop); break;
-          case 5: features<Source, 5>(source, rows, out, N, s, stop); break;
-          case 6: features<Source, 6>(source, rows, out, N, s, stop); break;
-          case 7: features<Source, 7>(source, rows, out, N, s, stop); break;
-          default: features<Source, 8>(source, rows, out, N, s, stop); break;
+        for (int64_t k = 0; k < K; k += run_length) {
+          const KRun run{k, std::min(K, k + run_length), partial.get()};
+          switch (std::min<int64_t>(kRowTile, M - m)) {
+            case 1: features<Source, 1>(source, rows, out, N, s, stop, run); break;
+            case 2: features<Source, 2>(source, rows, out, N, s, stop, run); break;
+            case 3: features<Source, 3>(source, rows, out, N, s, stop, run); break;
+            case 4: features<Source, 4>(source, rows, out, N, s, stop, run); break;
+            case 5: features<Source, 5>(source, rows, out, N, s, stop, run); break;
+            case 6: features<Source, 6>(source, rows, out, N, s, stop, run); break;
+            case 7: features<Source, 7>(source, rows, out, N, s, stop, run); break;
+            default: features<Source, 8>(source, rows, out, N, s, stop, run); break;
+          }
         }
       }
     }
