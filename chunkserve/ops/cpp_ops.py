@@ -14,6 +14,9 @@
   (`model_ops(int8_activations=True)`) it quantizes x to 8 bits per block of 32 first and
   multiplies with AVX-512 VNNI's integer dot products (csrc/block_linear_vnni.cpp), llama.cpp's
   numerics, under their own accuracy contract (docs/PRECISION.md).
+- `dequantized_linear`, `bf16_dot_linear` (csrc/deterministic_linear.cpp): deterministic mode's
+  linears (`model_ops(deterministic=True)`, deterministic_ops.py), one reduction order per
+  output element for every row count.
 - `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
   layer's small ops, one call each instead of a chain of torch calls.
 - `decoder_layer` (csrc/decoder_layer.cpp): the ops above for a whole layer of a pure decode

@@ -82,8 +82,6 @@ def _float32_linear(cpp_ops: CppOps, x: torch.Tensor, weight: torch.Tensor, bias
 
 def _bf16_linear(cpp_ops: CppOps, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  blocks: BlockWeight | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
-    if blocks is not None and (packed is None or x.shape[0] <= DETERMINISTIC_BF16_BLOCK_MAX_ROWS):
+    if blocks is not None and x.shape[0] <= DETERMINISTIC_BF16_BLOCK_MAX_ROWS:
         return cpp_ops.bf16_dot_linear(x, blocks.blocks, blocks.ggml_type, bias)
-    if packed is None:  # a weight no one packed (the head of a pipeline stage's own Linear is packed too)
-        packed = cpp_ops.round_to_bf16(weight)
-    return cpp_ops.bf16_dot_linear(x, packed, -1, bias)
+    return cpp_ops.bf16_dot_linear(x, packed, -1, bias)  # every weight is packed in this mode, the head's too

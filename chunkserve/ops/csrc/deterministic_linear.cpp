@@ -3,10 +3,12 @@
 // the batch, so a request's bits never depend on what else is in its step.
 //
 // Every kernel here accumulates an element in one vector register, lane j taking the products
-// of the K positions j, j + 16, j + 32, ... in increasing order, then sums the lanes with one
-// fixed tree (`_mm512_reduce_add_ps`). A tile of R rows x F features only decides how many rows
-// share a weight load; it never changes an element's arithmetic, and threads split features,
-// never K. The rows of a step therefore get the same bits alone or in any batch.
+// of the K positions j, j + 16, j + 32, ... in increasing order (bfloat16: a pair of positions
+// per lane and step), then sums the lanes with one fixed tree (`_mm512_reduce_add_ps`'s). A tile
+// of R rows x F features only decides how many rows share a weight load, and a long K is taken
+// in runs whose sums are stored and reloaded exactly; neither changes an element's arithmetic,
+// and threads split features, never K. So a row gets the same bits alone or in any batch; the
+// tests (tests/ops/test_deterministic_linear.py) check it, as -ffast-math builds these files.
 //
 // - `dequantized_linear`: float32, on a GGUF layer's dequantized float weight. Its order is the
 //   AVX-512 block kernel's (block_linear_avx512.cpp), so a row gets the same bits from the
@@ -27,6 +29,8 @@
 #include <algorithm>
 #include <memory>
 
+// The tiles are compiled once for both sources with this target; the float32 ones use no
+// bfloat16 instruction, so they run on AVX-512 CPUs without AVX512_BF16 too.
 #define CHUNKSERVE_AVX512_BF16_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
