@@ -14,9 +14,10 @@ LM head, at every row count, sums each output element in one order (csrc/determi
   `DETERMINISTIC_BF16_BLOCK_MAX_ROWS` rows and its packed bfloat16 weight above, the same bits.
 
 Norms, rotary and SiLU are per row in the C++ ops already and are shared with the default set.
-The fused decode layer (`decoder_layer`) calls the float32 kernels above on the blocks, so it is
-kept in float32 mode for the rows that read blocks; it has no bfloat16 products, so it is off in
-bfloat16 mode.
+The fused decode layer calls the kernels above on the blocks (`decoder_layer` in float32 mode,
+`bf16_decoder_layer` in bfloat16 mode), so it serves the pure decode steps of the rows that read
+blocks, with the per-op path's bits; a layer without blocks is not fused in bfloat16 mode
+(`LlamaModel.set_ops` drops its float weight).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def deterministic_model_ops(cpp_ops: CppOps, linear_dtype: torch.dtype, int8_act
     return ModelOps(linear=linear, logits=linear, rms_norm=cpp_ops.rms_norm, add_rms_norm=cpp_ops.add_rms_norm,
                     rotary=cpp_ops.rotary_embedding, silu_and_mul=cpp_ops.silu_and_mul, pack_linear_weight=pack,
                     packed_replaces_float=bf16, pack_logits_weight=pack if bf16 else None,
-                    decoder_layer=None if bf16 else cpp_ops.decoder_layer,
-                    decoder_layer_max_rows=0 if bf16 else DETERMINISTIC_BLOCK_MAX_ROWS)
+                    decoder_layer=cpp_ops.bf16_decoder_layer if bf16 else cpp_ops.decoder_layer,
+                    decoder_layer_max_rows=DETERMINISTIC_BF16_BLOCK_MAX_ROWS if bf16 else DETERMINISTIC_BLOCK_MAX_ROWS)
 
 
 def _float_twin(weight: torch.Tensor) -> torch.Tensor | None:

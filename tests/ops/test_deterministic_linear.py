@@ -18,7 +18,6 @@ from chunkserve.ops.model_ops import BLOCK_TYPES
 from tests.ops.support import NMSE_BOUND, nmse
 from tests.ops.support_determinism import (
     BATCH,
-    ROW_COUNTS,
     assert_rows_invariant,
     layer_on,
     linear_inputs,
@@ -60,14 +59,15 @@ def test_the_deterministic_linear_stays_close_to_f_linear(mode, kind):
         assert nmse(got, F.linear(x, weight, bias)) < NMSE_BOUND
 
 
-def test_the_fused_decode_layer_runs_only_where_it_computes_the_per_op_bits(cpp_ops):
-    """In float32 mode it reads the blocks as the layers do up to the blocks' row limit; it has
-    no bfloat16 products, so bfloat16 mode keeps the per-op path."""
+def test_the_fused_decode_layer_serves_only_the_rows_that_read_blocks(cpp_ops):
+    """It calls the block kernels, which the per-op path calls up to the blocks' row limit."""
     float32 = cpp_ops.model_ops(torch.float32, deterministic=True)
+    assert float32.decoder_layer is cpp_ops.decoder_layer
     assert 0 < float32.decoder_layer_max_rows <= DETERMINISTIC_BLOCK_MAX_ROWS
     if cpp_ops.deterministic_bf16_supported():
-        assert cpp_ops.model_ops(torch.bfloat16, deterministic=True).decoder_layer_max_rows == 0
-    assert DETERMINISTIC_BF16_BLOCK_MAX_ROWS < ROW_COUNTS[-1]
+        bf16 = cpp_ops.model_ops(torch.bfloat16, deterministic=True)
+        assert bf16.decoder_layer is cpp_ops.bf16_decoder_layer
+        assert 0 < bf16.decoder_layer_max_rows <= DETERMINISTIC_BF16_BLOCK_MAX_ROWS
 
 
 def test_the_per_row_ops_give_a_row_the_same_bits_in_any_batch(cpp_ops):

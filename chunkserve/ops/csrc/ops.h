@@ -71,5 +71,13 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
     c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
     int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
 
+// The same with deterministic bfloat16 mode's linears (bf16_dot_linear) on GGUF block weights only.
+std::tuple<torch::Tensor, torch::Tensor> bf16_decoder_layer(
+    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
+    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+    torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+    c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
+    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
+
 // Whether this CPU runs block_quantized_linear's int8_activations (AVX-512 with VNNI).
 bool cpu_has_vnni();
