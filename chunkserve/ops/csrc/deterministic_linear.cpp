@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <vector>
 
 // The tiles are compiled once for both sources with this target; the float32 ones use no
 // bfloat16 instruction, so they run on AVX-512 CPUs without AVX512_BF16 too.
@@ -305,9 +306,9 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor weight, int64_t ggm
               "bf16_dot_linear: x must be float32 [M, ", K, "], got ", x.sizes());
   x = x.contiguous();
   const int64_t M = x.size(0);
-  auto rounded = torch::empty({M, K}, x.options().dtype(torch::kBFloat16));
-  const auto* x_bf16 = reinterpret_cast<const uint16_t*>(rounded.data_ptr());
-  round_to(x.data_ptr<float>(), M, x.size(1), const_cast<uint16_t*>(x_bf16), K);
+  std::vector<uint16_t> rounded(M * K);  // not a tensor: a decode step makes some 120 of these
+  round_to(x.data_ptr<float>(), M, x.size(1), rounded.data(), K);
+  const uint16_t* x_bf16 = rounded.data();
   auto y = torch::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
   if (!blocks) {
