@@ -159,6 +159,7 @@ class CppOps:
     bf16_dot_linear: Callable[..., torch.Tensor]  # (x, weight or blocks, ggml_type or -1, bias), one order each
     round_to_bf16: Callable[[torch.Tensor], torch.Tensor]  # a float32 weight as bf16_dot_linear reads it
     deterministic_bf16_supported: Callable[[], bool]  # whether bf16_dot_linear runs here (AVX512_BF16)
+    deterministic_decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # with deterministic float32
     bf16_decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # `decoder_layer` with bf16_dot_linear
     cpu_has_vnni: Callable[[], bool]  # whether `block_quantized_linear` can take int8_activations here
     cpu_isa: Callable[[], str]  # the instruction set of the kernels that have several: avx512, avx2, portable
@@ -271,6 +272,7 @@ def build_cpp_ops() -> CppOps:
                   dequantized_linear=module.dequantized_linear, bf16_dot_linear=module.bf16_dot_linear,
                   round_to_bf16=module.round_to_bf16,
                   deterministic_bf16_supported=module.deterministic_bf16_supported,
+                  deterministic_decoder_layer=module.deterministic_decoder_layer,
                   bf16_decoder_layer=module.bf16_decoder_layer,
                   cpu_has_vnni=module.cpu_has_vnni, cpu_isa=module.cpu_isa,
                   set_cpu_isa=module.set_cpu_isa)

@@ -102,6 +102,10 @@ def test_one_call_layers_give_the_per_part_bits_in_deterministic_mode(cpp_ops, t
     assert_one_call_layers_equal_the_parts(cpp_ops, tiny_gguf, dtype, deterministic=True)
 
 
+def test_one_call_float_layers_give_the_per_part_bits_in_deterministic_mode(cpp_ops, tiny_model_dir):
+    assert_one_call_layers_equal_the_parts(cpp_ops, tiny_model_dir, deterministic=True)
+
+
 def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "float32",
                                            deterministic: bool = False) -> None:
     source = resolve_model(model)
@@ -116,6 +120,7 @@ def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "fl
         return call
 
     fused_ops = dataclasses.replace(cpp_ops, decoder_layer=counted(cpp_ops.decoder_layer),
+                                    deterministic_decoder_layer=counted(cpp_ops.deterministic_decoder_layer),
                                     bf16_decoder_layer=counted(cpp_ops.bf16_decoder_layer))
     fused, parts = (PagedRunner(load_model(source, config, dtype, 512), config, cpp_ops=ops, deterministic=deterministic)
                     for ops in (fused_ops, cpp_ops))

@@ -25,15 +25,19 @@ def assert_rows_invariant(run: Callable[[slice], torch.Tensor]) -> None:
             assert torch.equal(got, full[start : start + rows]), f"rows {start}-{start + rows - 1} as a batch of {rows}"
 
 
+# A dense float32 weight whose K suits the AVX-512 float kernel, and one whose K does not.
+DENSE_DEPTHS = {"float32": 576, "float32-K200": 200}
+
+
 def linear_inputs(kind: str, features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """x [BATCH, K], a weight [features, K] and its GGUF blocks of type `kind` (None for a dense
-    "float32" weight, whose K is no multiple of 32, to cover the kernels' tails; the blocks' K
-    the MLP down projection's, which the float32 kernel takes in two runs)."""
+    """x [BATCH, K], a weight [features, K] and its GGUF blocks of type `kind` (None for the dense
+    kinds of DENSE_DEPTHS; the blocks' K the MLP down projection's, which the float32 kernel
+    takes in two runs)."""
     generator = torch.Generator().manual_seed(seed)
-    depth = 200 if kind == "float32" else 1536
+    depth = DENSE_DEPTHS.get(kind, 1536)
     x = torch.randn(BATCH, depth, generator=generator)
     weight = torch.randn(features, depth, generator=generator)
-    if kind == "float32":
+    if kind in DENSE_DEPTHS:
         return x, weight, None
     blocks, floats = quantized(weight, kind)
     return x, floats, blocks

@@ -18,12 +18,13 @@ from chunkserve.ops.model_ops import BLOCK_TYPES
 from tests.ops.support import NMSE_BOUND, nmse
 from tests.ops.support_determinism import (
     BATCH,
+    DENSE_DEPTHS,
     assert_rows_invariant,
     layer_on,
     linear_inputs,
 )
 
-KINDS = ["float32", *sorted(BLOCK_TYPES)]  # a dense float weight, or GGUF blocks of that type
+KINDS = [*DENSE_DEPTHS, *sorted(BLOCK_TYPES)]  # dense float weights, or GGUF blocks of that type
 
 
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -60,9 +61,10 @@ def test_the_deterministic_linear_stays_close_to_f_linear(mode, kind):
 
 
 def test_the_fused_decode_layer_serves_only_the_rows_that_read_blocks(cpp_ops):
-    """It calls the block kernels, which the per-op path calls up to the blocks' row limit."""
+    """It calls the block kernels, which the per-op path calls up to the blocks' row limit
+    (tests/model/test_llama.py checks its bits against the per-op path)."""
     float32 = cpp_ops.model_ops(torch.float32, deterministic=True)
-    assert float32.decoder_layer is cpp_ops.decoder_layer
+    assert float32.decoder_layer is cpp_ops.deterministic_decoder_layer
     assert 0 < float32.decoder_layer_max_rows <= DETERMINISTIC_BLOCK_MAX_ROWS
     if cpp_ops.deterministic_bf16_supported():
         bf16 = cpp_ops.model_ops(torch.bfloat16, deterministic=True)

@@ -21,6 +21,14 @@ torch::Tensor float32_linear(const torch::Tensor& x, const torch::Tensor& weight
                    : small_batch_linear(x, weight, bias);
 }
 
+// Deterministic float32 mode's: the blocks as above, a float32 weight by the kernel whose order is
+// the blocks' (dequantized_linear) where its K allows, else as above.
+torch::Tensor deterministic_float32_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t type,
+                                           bool /*int8*/, const c10::optional<torch::Tensor>& bias) {
+  if (type >= 0) return block_quantized_linear(x, weight, type, bias, false);
+  return weight.size(1) % kBlockWeights == 0 ? dequantized_linear(x, weight, bias) : small_batch_linear(x, weight, bias);
+}
+
 // Deterministic bfloat16 mode's: bfloat16 products on the GGUF blocks (its only fusable weights).
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t type, bool /*int8*/,
                           const c10::optional<torch::Tensor>& bias) {
@@ -75,6 +83,17 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
   return layer_with(float32_linear, hidden, residual, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
                     context_lens, block_size, weights, types, qkv_bias, input_norm, post_attention_norm, eps,
                     num_heads, num_kv_heads, scale, int8_activations);
+}
+
+std::tuple<torch::Tensor, torch::Tensor> deterministic_decoder_layer(
+    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
+    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+    torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+    c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
+    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations) {
+  return layer_with(deterministic_float32_linear, hidden, residual, cos, sin, k_cache, v_cache, slot_mapping,
+                    block_tables, context_lens, block_size, weights, types, qkv_bias, input_norm, post_attention_norm,
+                    eps, num_heads, num_kv_heads, scale, int8_activations);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> bf16_decoder_layer(

@@ -25,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k, in place", release_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half", release_gil());
   m.def("decoder_layer", &decoder_layer, "a decoder layer of a pure decode step in one call", release_gil());
+  m.def("deterministic_decoder_layer", &deterministic_decoder_layer,
+        "decoder_layer with deterministic float32 linears", release_gil());
   m.def("bf16_decoder_layer", &bf16_decoder_layer, "decoder_layer with deterministic bfloat16 linears",
         release_gil());
   m.def("cpu_has_vnni", &cpu_has_vnni, "whether block_quantized_linear can take int8_activations here");

@@ -30,8 +30,8 @@ torch::Tensor block_quantized_linear(torch::Tensor x, torch::Tensor blocks, int6
 
 // Deterministic mode (deterministic_linear.cpp): every output element has one reduction order over
 // K for any number of rows of x and any position of a row among them.
-// x @ weight^T + bias on the float32 weight [N, K] (K a multiple of 32) that GGUF blocks
-// dequantize to, with the bits block_quantized_linear gives on those blocks.
+// x @ weight^T + bias on a float32 weight [N, K] (K a multiple of 32); where the weight is what GGUF
+// blocks dequantize to, with the bits block_quantized_linear gives on those blocks.
 torch::Tensor dequantized_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 // bfloat16 mode: x (float32 [M, K]) and the weight rounded to bfloat16, products summed in float32;
 // the weight round_to_bf16's [N, K padded to 32] (ggml_type -1) or GGUF blocks of ggml_type, the
@@ -65,6 +65,15 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 // int8_activations as block_quantized_linear's, for the blocks.
 // Writes this step's K/V at slot_mapping and returns (the MLP's output, the stream before it).
 std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
+    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
+    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+    torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+    c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
+    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
+
+// The same with deterministic float32 mode's linears: the blocks by block_quantized_linear (float32
+// activations), a float32 weight by dequantized_linear where K is a multiple of 32.
+std::tuple<torch::Tensor, torch::Tensor> deterministic_decoder_layer(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
     torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
