@@ -16,7 +16,8 @@
   numerics, under their own accuracy contract (docs/PRECISION.md).
 - `dequantized_linear`, `bf16_dot_linear` (csrc/deterministic_linear.cpp): deterministic mode's
   linears (`model_ops(deterministic=True)`, deterministic_ops.py), one reduction order per
-  output element for every row count.
+  output element for every row count; `deterministic_decoder_layer` and `bf16_decoder_layer`
+  are `decoder_layer` (below) with them.
 - `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
   layer's small ops, one call each instead of a chain of torch calls.
 - `decoder_layer` (csrc/decoder_layer.cpp): the ops above for a whole layer of a pure decode
@@ -155,7 +156,8 @@ class CppOps:
     onednn_bf16_linear: Callable[..., torch.Tensor]
     pack_linear_weight: Callable[[torch.Tensor, torch.dtype], torch.Tensor | None]
     decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    dequantized_linear: Callable[..., torch.Tensor]  # (x, weight, bias): block_quantized_linear's bits, from floats
+    # (x, float32 weight, bias), one order per element: on dequantized blocks, block_quantized_linear's bits
+    dequantized_linear: Callable[..., torch.Tensor]
     bf16_dot_linear: Callable[..., torch.Tensor]  # (x, weight or blocks, ggml_type or -1, bias), one order each
     round_to_bf16: Callable[[torch.Tensor], torch.Tensor]  # a float32 weight as bf16_dot_linear reads it
     deterministic_bf16_supported: Callable[[], bool]  # whether bf16_dot_linear runs here (AVX512_BF16)
