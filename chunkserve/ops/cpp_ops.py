@@ -17,6 +17,10 @@
   (`model_ops(int8_activations=True)`) it quantizes x to 8 bits per block of 32 first and
   multiplies with AVX-512 VNNI's integer dot products (csrc/block_linear_vnni.cpp), llama.cpp's
   numerics, under their own accuracy contract (docs/PRECISION.md).
+- `dequantized_linear`, `bf16_dot_linear` (csrc/deterministic_linear.cpp): deterministic mode's
+  linears (`model_ops(deterministic=True)`, deterministic_ops.py), one reduction order per
+  output element for every row count; `deterministic_decoder_layer` and `bf16_decoder_layer`
+  are `decoder_layer` (below) with them.
 - `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
   layer's small ops, one call each instead of a chain of torch calls.
 - `decoder_layer` (csrc/decoder_layer.cpp): the ops above for a whole layer of a pure decode
@@ -51,6 +55,7 @@ import torch.nn.functional as F
 
 from chunkserve.config.engine import OP_BACKENDS
 from chunkserve.errors import InvalidRequestError
+from chunkserve.ops.deterministic_ops import deterministic_model_ops
 from chunkserve.ops.model_ops import BlockWeight, ModelOps, torch_ops
 
 logger = logging.getLogger(__name__)
@@ -59,7 +64,7 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_CSRC, name)
             for name in ("ops.cpp", "cpu_isa.cpp", "paged_attention.cpp", "prefill_attention.cpp",
                          "small_batch_linear.cpp", "block_linear_avx512.cpp", "block_linear_vnni.cpp",
-                         "elementwise.cpp", "decoder_layer.cpp")]
+                         "elementwise.cpp", "decoder_layer.cpp", "deterministic_linear.cpp")]
 
 # Up to this many rows the C++ linear beats or equals MKL on the layer shapes of SmolLM2-135M
 # here, in the layers alone (benchmarks/kernels/small_batch_linear.py) and in whole steps
@@ -155,6 +160,13 @@ class CppOps:
     onednn_bf16_linear: Callable[..., torch.Tensor]
     pack_linear_weight: Callable[[torch.Tensor, torch.dtype], torch.Tensor | None]
     decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # (x, float32 weight, bias), one order per element: on dequantized blocks, block_quantized_linear's bits
+    dequantized_linear: Callable[..., torch.Tensor]
+    bf16_dot_linear: Callable[..., torch.Tensor]  # (x, weight or blocks, ggml_type or -1, bias), one order each
+    round_to_bf16: Callable[[torch.Tensor], torch.Tensor]  # a float32 weight as bf16_dot_linear reads it
+    deterministic_bf16_supported: Callable[[], bool]  # whether bf16_dot_linear runs here (AVX512_BF16)
+    deterministic_decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # with deterministic float32
+    bf16_decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # `decoder_layer` with bf16_dot_linear
     cpu_has_vnni: Callable[[], bool]  # whether `block_quantized_linear` can take int8_activations here
     cpu_isa: Callable[[], str]  # the instruction set of the kernels that have several: avx512, avx2, portable
     set_cpu_isa: Callable[[str], str]  # another one this CPU has (tests, benchmarks); returns the last
@@ -168,10 +180,14 @@ class CppOps:
                                     prefill=functools.partial(self.prefill_attention, deterministic=True))
         return AttentionKernels(decode=self.decode_attention, prefill=self.prefill_attention)
 
-    def model_ops(self, linear_dtype: torch.dtype = torch.float32, int8_activations: bool = False) -> ModelOps:
+    def model_ops(self, linear_dtype: torch.dtype = torch.float32, int8_activations: bool = False,
+                  deterministic: bool = False) -> ModelOps:
         """The layer ops, with the linear layers' packed weights in `linear_dtype` (float32, or
         bfloat16 for bfloat16 mode), and the GGUF blocks' products with 8-bit activations where
-        `int8_activations`."""
+        `int8_activations`; with `deterministic`, linears whose row bits do not depend on the
+        batch (deterministic_ops.py)."""
+        if deterministic:
+            return deterministic_model_ops(self, linear_dtype, int8_activations)
         bf16 = linear_dtype == torch.bfloat16
         linear, logits = (self.bf16_linear, self.bf16_logits) if bf16 else (self.linear, self.logits)
         if int8_activations:
@@ -266,21 +282,31 @@ def build_cpp_ops() -> CppOps:
                   rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul,
                   onednn_linear=onednn_linear, onednn_bf16_linear=onednn_bf16_linear,
                   pack_linear_weight=pack_for_onednn, decoder_layer=module.decoder_layer,
+                  dequantized_linear=module.dequantized_linear, bf16_dot_linear=module.bf16_dot_linear,
+                  round_to_bf16=module.round_to_bf16,
+                  deterministic_bf16_supported=module.deterministic_bf16_supported,
+                  deterministic_decoder_layer=module.deterministic_decoder_layer,
+                  bf16_decoder_layer=module.bf16_decoder_layer,
                   cpu_has_vnni=module.cpu_has_vnni, cpu_isa=module.cpu_isa,
                   set_cpu_isa=module.set_cpu_isa)
 
 
-def model_ops_for(cpp_ops: CppOps | None, linear_dtype: torch.dtype, int8_activations: bool = False) -> ModelOps:
+def model_ops_for(cpp_ops: CppOps | None, linear_dtype: torch.dtype, int8_activations: bool = False,
+                  deterministic: bool = False) -> ModelOps:
     """The layer ops a model computes with: the C++ ones, or plain torch where `cpp_ops` is None,
     for float32 or bfloat16 linear layers (`LlamaModel.compute_dtype`), with 8-bit activations
-    for the GGUF blocks where `int8_activations` (C++ only)."""
+    for the GGUF blocks where `int8_activations` (C++ only), batch-invariant where
+    `deterministic` (C++ only)."""
     if cpp_ops is None:
+        if deterministic:
+            raise InvalidRequestError("--deterministic runs in the C++ ops, which are off here (--op-backend torch, "
+                                      "or they could not be built): use --op-backend cpp", param="deterministic")
         if int8_activations:
             raise InvalidRequestError("--int8-activations runs in the C++ ops, which are off here (--op-backend torch, "
                                       "or they could not be built): leave the flag off or use --op-backend cpp",
                                       param="int8_activations")
         return torch_ops(linear_dtype)
-    return cpp_ops.model_ops(linear_dtype, int8_activations)
+    return cpp_ops.model_ops(linear_dtype, int8_activations, deterministic)
 
 
 def cpp_ops_for(backend: str) -> CppOps | None:

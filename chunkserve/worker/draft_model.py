@@ -46,7 +46,7 @@ class DraftModelProposer:
         self.block_size = block_size
         self.kernels = kernels
         self.deterministic = deterministic
-        self.model.set_ops(model_ops_for(cpp_ops, self.model.compute_dtype))
+        self.model.set_ops(model_ops_for(cpp_ops, self.model.compute_dtype, deterministic=deterministic))
 
     def propose(self, batch: ForwardBatch, scheduled: list[ScheduledRequest], token_ids: Mapping[str, list[int]],
                 tables: Mapping[str, np.ndarray], sampled: Mapping[str, list[int]]) -> dict[str, list[int]]:

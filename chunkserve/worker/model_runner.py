@@ -76,8 +76,10 @@ class ModelRunner:
         if deterministic and self.cpp_ops is None:
             raise InvalidRequestError("--deterministic needs the C++ ops, which could not be built here (see the "
                                       "warning above): plain torch gives a row different bits in different batches")
-        self.attention_kernels = None if self.cpp_ops is None else self.cpp_ops.attention_kernels()
-        model.set_ops(model_ops_for(self.cpp_ops, model.compute_dtype, model.int8_activations))
+        self.attention_kernels = (None if self.cpp_ops is None
+                                  else self.cpp_ops.attention_kernels(deterministic=deterministic))
+        model.set_ops(model_ops_for(self.cpp_ops, model.compute_dtype, model.int8_activations,
+                                    deterministic=deterministic))
         if drafter is not None:
             drafter.bind(num_blocks, block_size, self.cpp_ops, self.attention_kernels, deterministic)
 

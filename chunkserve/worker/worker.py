@@ -70,7 +70,8 @@ class Worker:
                               timeout=DIST_TIMEOUT)
         dist.init_process_group("gloo", store=dist.PrefixStore(store_prefix(), store), rank=self.rank,
                                 world_size=parallel.world_size, timeout=DIST_TIMEOUT)
-        return ParallelContext.from_world(self.rank, parallel, self.model_config.num_layers)
+        return ParallelContext.from_world(self.rank, parallel, self.model_config.num_layers,
+                                          fixed_order_reduce=self.config.deterministic)
 
     @property
     def kv_config(self) -> ModelConfig:

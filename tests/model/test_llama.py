@@ -93,9 +93,16 @@ def test_one_call_layers_read_gguf_blocks_with_the_same_logits(cpp_ops, tiny_ggu
     assert_one_call_layers_equal_the_parts(cpp_ops, tiny_gguf, dtype)
 
 
-def test_one_call_layers_in_deterministic_mode_attend_as_the_parts(cpp_ops, tiny_model_dir):
-    """`decoder_layer(deterministic=True)` attends with the deterministic decode op, the one the
-    per-part path takes in that mode (`attention_kernels(deterministic=True)`)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_call_layers_give_the_per_part_bits_in_deterministic_mode(cpp_ops, tiny_gguf, dtype):
+    """Deterministic mode keeps the one-call layer for the decode rows that read the blocks:
+    it calls the kernels the per-part path calls there (bfloat16 mode: bfloat16 products)."""
+    if dtype == "bfloat16" and not cpp_ops.deterministic_bf16_supported():
+        pytest.skip("deterministic bfloat16 mode needs AVX-512 with AVX512_BF16")
+    assert_one_call_layers_equal_the_parts(cpp_ops, tiny_gguf, dtype, deterministic=True)
+
+
+def test_one_call_float_layers_give_the_per_part_bits_in_deterministic_mode(cpp_ops, tiny_model_dir):
     assert_one_call_layers_equal_the_parts(cpp_ops, tiny_model_dir, deterministic=True)
 
 
@@ -105,11 +112,16 @@ def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "fl
     config = load_model_config(source)
     calls = []
 
-    def counted(*args):
-        calls.append(args[0].shape[0])
-        return cpp_ops.decoder_layer(*args, deterministic=deterministic)
+    def counted(layer):
+        def call(*args):
+            calls.append(args[0].shape[0])
+            return layer(*args)
 
-    fused_ops = dataclasses.replace(cpp_ops, decoder_layer=counted)
+        return call
+
+    fused_ops = dataclasses.replace(cpp_ops, decoder_layer=counted(cpp_ops.decoder_layer),
+                                    deterministic_decoder_layer=counted(cpp_ops.deterministic_decoder_layer),
+                                    bf16_decoder_layer=counted(cpp_ops.bf16_decoder_layer))
     fused, parts = (PagedRunner(load_model(source, config, dtype, 512), config, cpp_ops=ops, deterministic=deterministic)
                     for ops in (fused_ops, cpp_ops))
     for layer in parts.model.layers:

@@ -4,6 +4,7 @@
 // a block, so one block costs a load, two zero-extensions, two conversions and two FMAs with
 // its scale and minimum, shared by the rows of the tile. The weights are exactly the floats
 // gguf's `dequantize` gives (one rounding, as q * d + m is fused), the arithmetic float32.
+#include "block_expand_avx512.h"
 #include "block_linear.h"
 #include "cpu_isa.h"
 
@@ -12,7 +13,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 
 namespace {
 
@@ -31,41 +31,6 @@ constexpr int64_t kSliceBytes = 32 * 1024;
 template <int R>
 constexpr int kFeatureTile = R == 1 ? 8 : (R <= 4 ? 4 : 2);
 
-// The 32 weights of `block`, weights 0-15 in `low` and 16-31 in `high`.
-template <int64_t Type>
-CHUNKSERVE_AVX512_TARGET inline void expand(const uint8_t* block, __m512& low, __m512& high) {
-  if constexpr (Type == kQ8_0) {
-    uint16_t bits;
-    std::memcpy(&bits, block, sizeof(bits));
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(bits));
-    const __m128i q_low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-    const __m128i q_high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
-    low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_low)), d);
-    high = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_high)), d);
-  } else {
-    __m512 d, m;
-    if constexpr (Type == kQ4_1) {
-      uint32_t bits;  // d then m
-      std::memcpy(&bits, block, sizeof(bits));
-      const __m128 scales = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
-      d = _mm512_broadcastss_ps(scales);
-      m = _mm512_broadcastss_ps(_mm_movehdup_ps(scales));
-    } else {  // (q - 8) * d = q * d - 8 d, exactly: the fused form rounds once, as the product does
-      uint16_t bits;
-      std::memcpy(&bits, block, sizeof(bits));
-      d = _mm512_set1_ps(_cvtsh_ss(bits));
-      m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-    }
-    // byte j holds weight j (low nibble) and weight j + 16 (high nibble)
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (Type == kQ4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m512 q_low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask)));
-    const __m512 q_high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
-    low = _mm512_fmadd_ps(q_low, d, m);
-    high = _mm512_fmadd_ps(q_high, d, m);
-  }
-}
-
 // y[r * ldy + f] = x[r] . w[f] for R rows of x (K floats apart) and F weight rows of blocks
 // (row_bytes apart).
 template <int64_t Type, int R, int F>
@@ -82,7 +47,7 @@ CHUNKSERVE_AVX512_TARGET void tile(const float* x, int64_t K, const uint8_t* w, 
     for (int f = 0; f < F; ++f) {
       const uint8_t* block = w + f * row_bytes + b * kBytes;
       _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchRows * row_bytes), _MM_HINT_T0);
-      expand<Type>(block, low[f], high[f]);
+      expand_block_avx512<Type>(block, low[f], high[f]);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {

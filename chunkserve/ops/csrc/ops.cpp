@@ -18,17 +18,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quantized_linear", &block_quantized_linear, "x @ weight^T (+ bias), the weight as GGUF blocks",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("ggml_type"), pybind11::arg("bias"),
         pybind11::arg("int8_activations") = false, release_gil());
+  m.def("dequantized_linear", &dequantized_linear, "x @ weight^T (+ bias), the bits of the weight's GGUF blocks",
+        release_gil());
+  m.def("bf16_dot_linear", &bf16_dot_linear, "x @ weight^T (+ bias) in bfloat16, one order per element",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("ggml_type"), pybind11::arg("bias"), release_gil());
+  m.def("round_to_bf16", &round_to_bf16, "a float32 weight as bf16_dot_linear reads it", release_gil());
+  m.def("deterministic_bf16_supported", &deterministic_bf16_supported, "whether bf16_dot_linear runs here");
   m.def("rms_norm", &rms_norm, "RMS norm over the last dim", release_gil());
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMS norm of the residual", release_gil());
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k, in place", release_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half", release_gil());
-  m.def("decoder_layer", &decoder_layer, "a decoder layer of a pure decode step in one call", pybind11::arg("hidden"),
-        pybind11::arg("residual"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"),
-        pybind11::arg("v_cache"), pybind11::arg("slot_mapping"), pybind11::arg("block_tables"),
-        pybind11::arg("context_lens"), pybind11::arg("block_size"), pybind11::arg("weights"), pybind11::arg("types"),
-        pybind11::arg("qkv_bias"), pybind11::arg("input_norm"), pybind11::arg("post_attention_norm"),
-        pybind11::arg("eps"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("scale"),
-        pybind11::arg("int8_activations"), pybind11::arg("deterministic") = false, release_gil());
+  m.def("decoder_layer", &decoder_layer, "a decoder layer of a pure decode step in one call", release_gil());
+  m.def("deterministic_decoder_layer", &deterministic_decoder_layer,
+        "decoder_layer with deterministic float32 linears", release_gil());
+  m.def("bf16_decoder_layer", &bf16_decoder_layer, "decoder_layer with deterministic bfloat16 linears",
+        release_gil());
   m.def("cpu_has_vnni", &cpu_has_vnni, "whether block_quantized_linear can take int8_activations here");
   m.def("cpu_isa", &cpu_isa, "the instruction set the kernels run with: avx512, avx2 or portable");
   m.def("set_cpu_isa", &set_cpu_isa, "run the kernels with another instruction set this CPU has; returns the last");

@@ -37,6 +37,21 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, c10::opt
 torch::Tensor block_quantized_linear(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
                                      c10::optional<torch::Tensor> bias, bool int8_activations);
 
+// Deterministic mode (deterministic_linear.cpp): every output element has one reduction order over
+// K for any number of rows of x and any position of a row among them.
+// x @ weight^T + bias on a float32 weight [N, K] (K a multiple of 32); where the weight is what GGUF
+// blocks dequantize to, with the bits block_quantized_linear gives on those blocks.
+torch::Tensor dequantized_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+// bfloat16 mode: x (float32 [M, K]) and the weight rounded to bfloat16, products summed in float32;
+// the weight round_to_bf16's [N, K padded to 32] (ggml_type -1) or GGUF blocks of ggml_type, the
+// same bits from either. Returns float32 [M, N]. Needs AVX512_BF16 (deterministic_bf16_supported).
+torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor weight, int64_t ggml_type,
+                              c10::optional<torch::Tensor> bias);
+// float32 [N, K] -> bfloat16 [N, K padded to a multiple of 32 with zeros], as bf16_dot_linear reads it.
+torch::Tensor round_to_bf16(torch::Tensor weight);
+// Whether this CPU (and the instruction set set_cpu_isa chose) runs bf16_dot_linear.
+bool deterministic_bf16_supported();
+
 // Over the last dim: x * rsqrt(mean(x^2) + eps) * weight. float32.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 
@@ -56,15 +71,33 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 // DecoderLayer): hidden [B, hidden_size] is the last sublayer's output and residual the stream
 // before it (None at the first layer: hidden is then the embeddings). weights: qkv, o, gate_up,
 // down, each GGUF blocks (types[i] its ggml type) or a float32 [out, in] weight (types[i] -1);
-// int8_activations as block_quantized_linear's, for the blocks; deterministic: attention by
-// deterministic_decode_attention instead of paged_decode_attention.
+// int8_activations as block_quantized_linear's, for the blocks.
 // Writes this step's K/V at slot_mapping and returns (the MLP's output, the stream before it).
 std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
     torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
     c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
-    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations, bool deterministic);
+    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
+
+// The same with deterministic float32 mode's linears and attention (deterministic_decode_attention):
+// the blocks by block_quantized_linear (float32 activations), a float32 weight by dequantized_linear
+// where K is a multiple of 32.
+std::tuple<torch::Tensor, torch::Tensor> deterministic_decoder_layer(
+    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
+    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+    torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+    c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
+    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
+
+// The same with deterministic bfloat16 mode's linears (bf16_dot_linear) on GGUF block weights only, and
+// deterministic_decode_attention.
+std::tuple<torch::Tensor, torch::Tensor> bf16_decoder_layer(
+    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
+    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+    torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+    c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
+    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
 
 // Whether this CPU runs block_quantized_linear's int8_activations (AVX-512 with VNNI).
 bool cpu_has_vnni();
