@@ -19,8 +19,6 @@ PROMPT_LENGTHS = (1, 17, 40, 100, 257, 300, 5, 64)
 SHARED_PREFIX = 48  # three blocks of 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True, logprobs=5)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
-         "policy": "always"}
 CONFIGURATIONS = {
     "budget 1": dict(max_num_batched_tokens=1, block_size=1, max_num_seqs=1),  # a budget holds a block and the decodes
     "budget 16": dict(max_num_batched_tokens=16),
@@ -30,7 +28,9 @@ CONFIGURATIONS = {
     "chunk schedule": dict(max_num_batched_tokens=256, chunk_schedule="256:64:4:256"),
     "tbt slo": dict(max_num_batched_tokens=256, tbt_slo_ms=60),
     "preempted": dict(max_num_batched_tokens=64, num_kv_blocks=40),
-    "speculative": dict(max_num_batched_tokens=64, speculative_config=NGRAM),
+    # the tiny model drafts for itself: every step verifies 3 drafts (random text gives n-grams none)
+    "speculative": dict(max_num_batched_tokens=64, speculative_config={
+        "method": "draft_model", "model": "{tiny_gguf}", "num_speculative_tokens": 3, "policy": "always"}),
 }
 # float32 runs the configurations that change the most: row counts, recomputes, verification rows
 FLOAT32_CONFIGURATIONS = ("budget 1", "preempted", "speculative")
@@ -72,7 +72,10 @@ def test_the_same_bits_under_every_chunking_preemption_and_verification(referenc
     dtype, expected = reference
     if dtype == "float32" and name not in FLOAT32_CONFIGURATIONS:
         pytest.skip("float32 runs the configurations listed in FLOAT32_CONFIGURATIONS; bfloat16 runs all")
-    llm = deterministic_llm(tiny_gguf, dtype, **CONFIGURATIONS[name])
+    engine_args = dict(CONFIGURATIONS[name])
+    if "speculative_config" in engine_args:
+        engine_args["speculative_config"] = {**engine_args["speculative_config"], "model": tiny_gguf}
+    llm = deterministic_llm(tiny_gguf, dtype, **engine_args)
     outputs = llm.generate(prompts * 2, [GREEDY] * len(prompts) + [SEEDED] * len(prompts), use_tqdm=False)
     assert signature(outputs) == expected
     records = llm.get_step_records()
