@@ -3,9 +3,8 @@ load, with and without --deterministic.
 
 Starts `chunkserve serve` twice through the harness (the default mode, then --deterministic;
 the flags after `--` go to both), and sends each `--n` identical completions (temperature 0, then
-temperature 0.8 with a seed) in waves: each wave has a random concurrency of 1-16 requests that
-arrive with random gaps, so each copy shares its steps with a different batch, has its prompt cut
-into different chunks and finds a different share of it in the prefix cache. Counts the unique
+temperature 0.8 with a seed) in waves of random concurrency 1-16 and random arrival gaps
+(chunkserve/bench/identical.py). Counts the unique
 completion texts of each (one: the mode holds); the default mode's count is the contrast (issue
 42: vLLM #23138, llama.cpp #7052).
 
@@ -27,13 +26,13 @@ import numpy as np
 
 from benchmarks.support import add_model_flag, add_smoke_flag
 from chunkserve.bench.host import machine
+from chunkserve.bench.identical import send_waves
 from chunkserve.bench.service import Service, serve_command
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 SEED = 1234  # the sampled requests' seed
 SAMPLINGS = (("greedy", {"temperature": 0.0}), ("temperature 0.8, seed", {"temperature": 0.8, "seed": SEED}))
 START_TIMEOUT_S = 600
-REQUEST_TIMEOUT_S = 600
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,24 +53,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-async def send_waves(url: str, body: dict, args: argparse.Namespace, rng: np.random.Generator) -> list[str]:
-    """`args.n` copies of `body`, in waves of random size whose requests arrive with random gaps;
-    each wave ends before the next starts. Returns the completion texts."""
-    texts: list[str] = []
-    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
-        async def one(delay_s: float) -> str:
-            await asyncio.sleep(delay_s)
-            response = await client.post("/v1/completions", json=body)
-            response.raise_for_status()
-            return response.json()["choices"][0]["text"]
-
-        while len(texts) < args.n:
-            size = min(int(rng.integers(1, args.max_concurrency + 1)), args.n - len(texts))
-            arrivals = np.cumsum(rng.uniform(0, args.max_gap_ms / 1000, size))
-            texts += await asyncio.gather(*(one(float(t)) for t in arrivals))
-    return texts
-
-
 def measure_mode(deterministic: bool, args: argparse.Namespace, log_dir: str) -> list[dict]:
     """One server in the mode; per sampling, the unique outputs of its identical requests."""
     flags = [*(["--model", args.model] if args.model else []), *args.server_flags,
@@ -87,7 +68,8 @@ def measure_mode(deterministic: bool, args: argparse.Namespace, log_dir: str) ->
         rng = np.random.default_rng(args.seed)
         for name, sampling in SAMPLINGS:
             body = {"prompt": PROMPT, "max_tokens": args.max_tokens, "ignore_eos": True, **sampling}
-            counts = Counter(asyncio.run(send_waves(service.url, body, args, rng)))
+            texts = asyncio.run(send_waves(service.url, body, args.n, args.max_concurrency, args.max_gap_ms, rng))
+            counts = Counter(texts)
             rows.append({"mode": mode, "sampling": name, "requests": args.n, "unique_outputs": len(counts),
                          "most_common_share": counts.most_common(1)[0][1] / args.n})
     return rows
