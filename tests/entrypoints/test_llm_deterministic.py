@@ -99,3 +99,39 @@ def test_a_prefix_cache_hit_and_the_arrival_order_change_no_bit(reference, tiny_
     n = len(prompts)
     assert [got[order.index(i)] for i in range(n)] == expected[:n]
     assert [got[n + order.index(i)] for i in range(n)] == expected[n:]
+
+
+def test_blocks_loaded_from_the_disk_tier_change_no_bit(reference, tiny_gguf, prompts, tmp_path):
+    """A second engine on the first one's disk tier loads the prompts' blocks from its files."""
+    dtype, expected = reference
+    tier = dict(enable_prefix_caching=True, enable_hierarchical_cache=True, hicache_storage_dir=str(tmp_path),
+                hicache_write_policy="write_through", max_num_batched_tokens=48)
+    first = deterministic_llm(tiny_gguf, dtype, **tier)
+    first.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    first.engine.shutdown()
+    second = deterministic_llm(tiny_gguf, dtype, **tier)
+    outputs = second.generate(prompts * 2, [GREEDY] * len(prompts) + [SEEDED] * len(prompts), use_tqdm=False)
+    assert sum(o.num_cached_tokens for o in outputs[:len(prompts)]) >= 16 * sum(len(p) // 16 for p in prompts) - 16
+    assert signature(outputs) == expected
+
+
+@pytest.mark.slow  # rank processes: the default tier checks the fixed-order all-reduce (tests/model)
+@pytest.mark.parametrize("parallel", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)],
+                         ids=["pp2", "tp2"])
+def test_pipeline_stages_keep_the_bits_and_tensor_parallel_ranks_keep_theirs(reference, tiny_gguf, prompts,
+                                                                             parallel):
+    """PP: the monolithic engine's bits, its micro-batches cut otherwise. TP: the same bits under
+    any chunking at one TP size (not the monolithic engine's: the ranks' partial sums add up in
+    another order)."""
+    dtype, expected = reference
+    params = [GREEDY] * len(prompts) + [SEEDED] * len(prompts)
+    signatures = []
+    for budget in (16, 128):
+        llm = deterministic_llm(tiny_gguf, dtype, max_num_batched_tokens=budget, **parallel)
+        try:
+            signatures.append(signature(llm.generate(prompts * 2, params, use_tqdm=False)))
+        finally:
+            llm.engine.shutdown()
+    assert signatures[0] == signatures[1]
+    if "pipeline_parallel_size" in parallel:
+        assert signatures[0] == expected
