@@ -41,6 +41,16 @@ def test_prompt_logits_match_transformers_for_any_chunk_size(models, chunk):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-4)
 
 
+def test_deterministic_mode_in_float32_keeps_transformers_logits(models, cpp_ops):
+    """`--deterministic`'s kernels sum in their own order: still transformers' logits, to the tolerance."""
+    reference, model, config = models
+    prompt = np.random.default_rng(2).integers(0, config.vocab_size, 150).tolist()
+    runner = PagedRunner(model, config, cpp_ops=cpp_ops, deterministic=True)
+    runner.add("a", prompt)
+    got = torch.cat([runner.step({"a": min(16, len(prompt) - s)})["a"] for s in range(0, len(prompt), 16)])
+    torch.testing.assert_close(got, reference_logits(reference, prompt), atol=ATOL, rtol=1e-4)
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 @pytest.mark.parametrize("chunk", [7, 64])
 def test_chunks_mixed_with_other_requests_decodes(models, chunk, backend, request):

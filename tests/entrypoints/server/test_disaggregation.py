@@ -33,6 +33,7 @@ from tests.entrypoints.server.disaggregation_support import (
     HEADERS,
     assert_outputs_equal_the_monolithic_server,
     assert_same,
+    completion,
     idle,
     prompt_of,
 )
@@ -619,3 +620,33 @@ def test_a_disaggregated_instance_answers_404_to_vllms_version(cluster):
         answer = httpx.get(server.base_url + "/version")
         assert answer.status_code == 404 and "SGLang's prefill/decode protocol" in answer.json()["error"]["message"]
     assert httpx.get(pair.mono.base_url + "/version").status_code == 200
+
+
+@pytest.mark.slow  # four servers of its own; the default tier checks the bits in process (test_llm_deterministic)
+def test_deterministic_pairs_give_the_monolithic_servers_bits_at_another_budget(tmp_path_factory, tiny_gguf):
+    """With --deterministic (and the default dtype) on every server, a prefill instance at budget
+    32 and its decode instance give exactly the tokens and logprobs of a monolithic server at
+    budget 256, greedy and seeded."""
+    model = Model(tuple(tiny_server_flags(tiny_gguf)), 0, timeout_s=8, step_delay_ms=0)
+    flags = ("--deterministic", "--dtype", "auto")
+    mono = start_instance(tmp_path_factory, model, *flags, "--max-num-batched-tokens", "256", name="det-mono",
+                          wait=False)
+    decode = start_instance(tmp_path_factory, model, *flags, "--disaggregation-mode", "decode", name="det-decode",
+                            wait=False)
+    prefill, port = start_prefill(tmp_path_factory, model, "det", *flags, "--max-num-batched-tokens", "32")
+    servers, router = [mono, decode, prefill], None
+    try:
+        for server in servers:
+            wait_until_up(server)
+        router = start_router(prefill, port, decode, tmp_path_factory, "det-router")
+        for length in (1, 17, 100, 257):
+            for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": length}):
+                body = {"prompt": prompt_of(length, length), "max_tokens": 8, "logprobs": 2, **sampling}
+                direct = httpx.post(mono.base_url + "/v1/completions", json=body, headers=HEADERS, timeout=180)
+                routed = router.post("/v1/completions", body)
+                assert completion(routed) == completion(direct)
+    finally:
+        if router is not None:
+            stop_router(router)
+        for server in servers:
+            stop_server(server)
