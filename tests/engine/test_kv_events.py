@@ -48,10 +48,14 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> None:
 
 def connected(engine: LLMEngine, subscriber: Subscriber, prompt: list[int]) -> None:
     """Run requests until the subscriber has received a message (ZMQ's subscription takes a
-    moment to reach the publisher; what it missed comes from the replay socket)."""
+    moment to reach the publisher; what it missed comes from the replay socket). Each attempt's
+    prompt starts with a token of its own: a prompt the cache holds already stores no block, and
+    so publishes nothing."""
+    attempt = 0
     while not subscriber.messages:
-        run(engine, [prompt])
+        run(engine, [[4000 + attempt] + prompt])
         subscriber.drain(settle_s=0.2)
+        attempt += 1
 
 
 def router_view(engine: LLMEngine, subscriber: Subscriber, folder) -> dict[str, set[int]]:
