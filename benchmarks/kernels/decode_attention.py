@@ -68,7 +68,7 @@ def _repository_root() -> str:
                           cwd=os.path.dirname(__file__)).stdout.strip()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--baseline", help="a commit whose kernel runs alternately with the current one")
     parser.add_argument("--rounds", type=int, default=9)
@@ -79,14 +79,62 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs=2, metavar=("MIN", "MAX"), default=(MIN_CONTEXT, MAX_CONTEXT),
                         help="each decode's context length, drawn from MIN .. MAX")
     add_smoke_flag(parser)
-    args = parser.parse_args()
-    kv_dtype = getattr(torch, args.kv_dtype)
+    return parser.parse_args()
+
+
+def time_kernels(kernels: dict[str, Callable[..., torch.Tensor]], args: argparse.Namespace, kv_dtype: torch.dtype,
+                 decodes: int, layers: int) -> tuple[dict[str, list[float]], int]:
+    """Each kernel's step times over `layers` layers' caches, in turn per round (after checking
+    they agree), and the KV bytes one step reads."""
     min_context, max_context = args.context
-    decodes, layers = (SMOKE_DECODES, SMOKE_LAYERS) if args.smoke else (args.decodes, LAYERS)
     max_blocks = -(-max_context // BLOCK_SIZE)
     pool_blocks = SMOKE_POOL_BLOCKS if args.smoke else max(POOL_BLOCKS, decodes * max_blocks)
-    rounds, read_gib = (1, 1 / 64) if args.smoke else (args.rounds, 1.0)
+    generator = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(pool_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype),
+               torch.randn(pool_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype))
+              for _ in range(layers)]
+    tables = torch.randperm(pool_blocks, generator=generator)[: decodes * max_blocks].view(decodes, max_blocks)
+    context_lens = torch.randint(min_context, max_context + 1, (decodes,), generator=generator)
+    q = torch.randn(decodes, HEADS, HEAD_DIM, generator=generator)
+    scale = HEAD_DIM**-0.5
 
+    outputs = [kernel(q, *caches[0], tables, context_lens, BLOCK_SIZE, scale) for kernel in kernels.values()]
+    if any(not torch.allclose(output, outputs[0], rtol=1e-5, atol=1e-5) for output in outputs):
+        raise SystemExit("the kernels disagree")
+
+    def step(kernel: Callable[..., torch.Tensor]) -> float:
+        start = time.perf_counter()
+        for k_cache, v_cache in caches:
+            kernel(q, k_cache, v_cache, tables, context_lens, BLOCK_SIZE, scale)
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for _ in range(1 if args.smoke else args.rounds):
+        for name, kernel in kernels.items():
+            times[name].append(step(kernel))
+    return times, 2 * KV_HEADS * HEAD_DIM * kv_dtype.itemsize * int(context_lens.sum()) * layers
+
+
+def report(times: dict[str, list[float]], kv_bytes: int, args: argparse.Namespace, decodes: int, layers: int,
+           read_rate: float) -> None:
+    min_context, max_context = args.context
+    print(f"{decodes} decodes, contexts {min_context}-{max_context}, {layers} layers: {kv_bytes / 1e9:.2f} GB of "
+          f"{args.kv_dtype} KV per step; streaming read {read_rate:.1f} GB/s")
+    print("| kernel | step ms (median) | GB/s |")
+    print("|---|---|---|")
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        print(f"| {name} | {median * 1e3:.1f} | {kv_bytes / median / 1e9:.1f} |")
+    medians = {name: statistics.median(samples) for name, samples in times.items()}
+    if args.baseline:
+        print(f"current / {args.baseline}: {medians['current'] / medians[args.baseline]:.2f}x the time")
+    if "deterministic" in medians:
+        print(f"deterministic / current: {medians['deterministic'] / medians['current']:.2f}x the time")
+
+
+def main() -> None:
+    args = parse_args()
+    decodes, layers = (SMOKE_DECODES, SMOKE_LAYERS) if args.smoke else (args.decodes, LAYERS)
     ops = cpp_ops.build_cpp_ops()
     kernels = {"current": ops.decode_attention}
     if args.deterministic:
@@ -94,46 +142,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as build_dir:
         if args.baseline:
             kernels[args.baseline] = kernel_at(args.baseline, build_dir)
-        generator = torch.Generator().manual_seed(0)
-        caches = [(torch.randn(pool_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype),
-                   torch.randn(pool_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype))
-                  for _ in range(layers)]
-        tables = torch.randperm(pool_blocks, generator=generator)[: decodes * max_blocks].view(decodes, max_blocks)
-        context_lens = torch.randint(min_context, max_context + 1, (decodes,), generator=generator)
-        q = torch.randn(decodes, HEADS, HEAD_DIM, generator=generator)
-        scale = HEAD_DIM**-0.5
-
-        outputs = [kernel(q, *caches[0], tables, context_lens, BLOCK_SIZE, scale) for kernel in kernels.values()]
-        if any(not torch.allclose(output, outputs[0], rtol=1e-5, atol=1e-5) for output in outputs):
-            raise SystemExit("the kernels disagree")
-
-        def step(kernel: Callable[..., torch.Tensor]) -> float:
-            start = time.perf_counter()
-            for k_cache, v_cache in caches:
-                kernel(q, k_cache, v_cache, tables, context_lens, BLOCK_SIZE, scale)
-            return time.perf_counter() - start
-
-        times: dict[str, list[float]] = {name: [] for name in kernels}
-        for _ in range(rounds):
-            for name, kernel in kernels.items():
-                times[name].append(step(kernel))
-        read_rate = memory_read_gb_s(repeats=3, gib=read_gib)
-
-    kv_bytes = 2 * KV_HEADS * HEAD_DIM * kv_dtype.itemsize * int(context_lens.sum()) * layers
-    print(f"{decodes} decodes, contexts {min_context}-{max_context}, {layers} layers: {kv_bytes / 1e9:.2f} GB of "
-          f"{args.kv_dtype} KV "
-          f"per step; streaming read {read_rate:.1f} GB/s")
-    print("| kernel | step ms (median) | GB/s |")
-    print("|---|---|---|")
-    for name, samples in times.items():
-        median = statistics.median(samples)
-        print(f"| {name} | {median * 1e3:.1f} | {kv_bytes / median / 1e9:.1f} |")
-    if args.baseline:
-        ratio = statistics.median(times["current"]) / statistics.median(times[args.baseline])
-        print(f"current / {args.baseline}: {ratio:.2f}x the time")
-    if args.deterministic:
-        ratio = statistics.median(times["deterministic"]) / statistics.median(times["current"])
-        print(f"deterministic / current: {ratio:.2f}x the time")
+        times, kv_bytes = time_kernels(kernels, args, getattr(torch, args.kv_dtype), decodes, layers)
+        read_rate = memory_read_gb_s(repeats=3, gib=1 / 64 if args.smoke else 1.0)
+    report(times, kv_bytes, args, decodes, layers, read_rate)
 
 
 if __name__ == "__main__":
