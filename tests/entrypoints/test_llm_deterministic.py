@@ -6,6 +6,9 @@ default dtype where the CPU has it) and in float32."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -34,8 +37,10 @@ CONFIGURATIONS = {
 }
 # float32 runs the configurations that change the most: row counts, recomputes, verification rows
 FLOAT32_CONFIGURATIONS = ("budget 1", "preempted", "speculative")
-DTYPES = [pytest.param("bfloat16", marks=pytest.mark.skipif(not native_bf16(), reason="needs native bfloat16")),
-          "float32"]
+NEEDS_BF16 = pytest.mark.skipif(not native_bf16(), reason="bfloat16 mode needs native bfloat16")
+DTYPES = [pytest.param("bfloat16", marks=NEEDS_BF16), "float32"]
+CASES = [*(pytest.param("bfloat16", name, marks=NEEDS_BF16, id=f"bfloat16-{name}") for name in CONFIGURATIONS),
+         *(pytest.param("float32", name, id=f"float32-{name}") for name in FLOAT32_CONFIGURATIONS)]
 
 
 def signature(outputs) -> list[tuple]:
@@ -59,19 +64,23 @@ def prompts(tiny_gguf) -> list[list[int]]:
     return [shared + p[SHARED_PREFIX:] if len(p) > SHARED_PREFIX else p for p in prompts]
 
 
-@pytest.fixture(scope="module", params=DTYPES)
-def reference(request, tiny_gguf, prompts) -> tuple[str, list[tuple]]:
-    """Per dtype: every prompt greedy and seeded, on a budget-64 engine without prefix caching."""
-    llm = deterministic_llm(tiny_gguf, request.param, max_num_batched_tokens=64)
-    outputs = llm.generate(prompts * 2, [GREEDY] * len(prompts) + [SEEDED] * len(prompts), use_tqdm=False)
-    return request.param, signature(outputs)
+@pytest.fixture(scope="module")
+def reference(tiny_gguf, prompts) -> Callable[[str], list[tuple]]:
+    """Per dtype (computed once): every prompt greedy and seeded, on a budget-64 engine without
+    prefix caching."""
+
+    @functools.cache
+    def signature_for(dtype: str) -> list[tuple]:
+        llm = deterministic_llm(tiny_gguf, dtype, max_num_batched_tokens=64)
+        return signature(llm.generate(prompts * 2, [GREEDY] * len(prompts) + [SEEDED] * len(prompts),
+                                      use_tqdm=False))
+
+    return signature_for
 
 
-@pytest.mark.parametrize("name", CONFIGURATIONS)
-def test_the_same_bits_under_every_chunking_preemption_and_verification(reference, tiny_gguf, prompts, name):
-    dtype, expected = reference
-    if dtype == "float32" and name not in FLOAT32_CONFIGURATIONS:
-        pytest.skip("float32 runs the configurations listed in FLOAT32_CONFIGURATIONS; bfloat16 runs all")
+@pytest.mark.parametrize("dtype, name", CASES)
+def test_the_same_bits_under_every_chunking_preemption_and_verification(reference, tiny_gguf, prompts, dtype, name):
+    expected = reference(dtype)
     engine_args = dict(CONFIGURATIONS[name])
     if "speculative_config" in engine_args:
         engine_args["speculative_config"] = {**engine_args["speculative_config"], "model": tiny_gguf}
@@ -86,8 +95,9 @@ def test_the_same_bits_under_every_chunking_preemption_and_verification(referenc
     assert_pool_free(llm)
 
 
-def test_a_prefix_cache_hit_and_the_arrival_order_change_no_bit(reference, tiny_gguf, prompts):
-    dtype, expected = reference
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prefix_cache_hit_and_the_arrival_order_change_no_bit(reference, tiny_gguf, prompts, dtype):
+    expected = reference(dtype)
     llm = deterministic_llm(tiny_gguf, dtype, max_num_batched_tokens=48, enable_prefix_caching=True)
     warm = [p[:SHARED_PREFIX] + [1, 2, 3] for p in prompts if len(p) > SHARED_PREFIX]
     llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
@@ -101,9 +111,10 @@ def test_a_prefix_cache_hit_and_the_arrival_order_change_no_bit(reference, tiny_
     assert [got[n + order.index(i)] for i in range(n)] == expected[n:]
 
 
-def test_blocks_loaded_from_the_disk_tier_change_no_bit(reference, tiny_gguf, prompts, tmp_path):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_blocks_loaded_from_the_disk_tier_change_no_bit(reference, tiny_gguf, prompts, tmp_path, dtype):
     """A second engine on the first one's disk tier loads the prompts' blocks from its files."""
-    dtype, expected = reference
+    expected = reference(dtype)
     tier = dict(enable_prefix_caching=True, enable_hierarchical_cache=True, hicache_storage_dir=str(tmp_path),
                 hicache_write_policy="write_through", max_num_batched_tokens=48)
     first = deterministic_llm(tiny_gguf, dtype, **tier)
@@ -118,12 +129,13 @@ def test_blocks_loaded_from_the_disk_tier_change_no_bit(reference, tiny_gguf, pr
 @pytest.mark.slow  # rank processes: the default tier checks the fixed-order all-reduce (tests/model)
 @pytest.mark.parametrize("parallel", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)],
                          ids=["pp2", "tp2"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_pipeline_stages_keep_the_bits_and_tensor_parallel_ranks_keep_theirs(reference, tiny_gguf, prompts,
-                                                                             parallel):
+                                                                             parallel, dtype):
     """PP: the monolithic engine's bits, its micro-batches cut otherwise. TP: the same bits under
     any chunking at one TP size (not the monolithic engine's: the ranks' partial sums add up in
     another order)."""
-    dtype, expected = reference
+    expected = reference(dtype)
     params = [GREEDY] * len(prompts) + [SEEDED] * len(prompts)
     signatures = []
     for budget in (16, 128):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from chunkserve.config.cpu import native_bf16
 from chunkserve.errors import InvalidRequestError
 from chunkserve.ops.cpp_ops import model_ops_for
 from chunkserve.ops.deterministic_ops import (
@@ -27,12 +28,23 @@ from tests.ops.support_determinism import (
 KINDS = [*DENSE_DEPTHS, *sorted(BLOCK_TYPES)]  # dense float weights, or GGUF blocks of that type
 
 
-@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def mode(request, cpp_ops, cpu_isa):
-    """Deterministic mode's ops in each dtype, on each instruction set this CPU runs."""
-    if request.param == torch.bfloat16 and not cpp_ops.deterministic_bf16_supported():
-        pytest.skip("bfloat16 mode's deterministic kernel needs AVX-512 with AVX512_BF16")
-    return cpp_ops.model_ops(request.param, deterministic=True), request.param
+# (dtype, instruction set): bfloat16's kernel is AVX-512 only (refused on AVX2: the last test)
+MODES = [(torch.float32, "avx512"), (torch.float32, "avx2"), (torch.bfloat16, "avx512")]
+
+
+@pytest.fixture(params=MODES, ids=[f"{str(dtype).removeprefix('torch.')}-{isa}" for dtype, isa in MODES])
+def mode(request, cpp_ops):
+    """Deterministic mode's ops in each dtype, on each instruction set its kernel has, where this
+    CPU runs it."""
+    dtype, isa = request.param
+    if dtype == torch.bfloat16 and not native_bf16():
+        pytest.skip("bfloat16 mode needs a CPU with AVX512_BF16")
+    try:
+        before = cpp_ops.set_cpu_isa(isa)
+    except RuntimeError as error:
+        pytest.skip(f"not on this CPU: {error}")
+    yield cpp_ops.model_ops(dtype, deterministic=True), dtype
+    cpp_ops.set_cpu_isa(before)
 
 
 @pytest.mark.parametrize("head", [False, True], ids=["linear", "lm_head"])
@@ -91,3 +103,9 @@ def test_deterministic_mode_refuses_what_it_cannot_keep_invariant(cpp_ops):
         cpp_ops.model_ops(torch.float32, int8_activations=True, deterministic=True)
     with pytest.raises(InvalidRequestError, match="--op-backend cpp"):
         model_ops_for(None, torch.float32, deterministic=True)
+    before = cpp_ops.set_cpu_isa("avx2")
+    try:
+        with pytest.raises(InvalidRequestError, match="--dtype float32"):
+            cpp_ops.model_ops(torch.bfloat16, deterministic=True)
+    finally:
+        cpp_ops.set_cpu_isa(before)
