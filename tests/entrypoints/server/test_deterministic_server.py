@@ -1,6 +1,6 @@
 """`--deterministic` served: 200 identical requests under random concurrency (1-16) and arrival
-gaps get one answer, greedy and seeded at temperature 0.8; without the mode the same load's
-count of distinct answers is reported (printed), not asserted."""
+gaps get one answer, greedy and seeded at temperature 0.8; without the mode (long tier) the same
+load's count of distinct answers is reported (printed), not asserted."""
 
 from __future__ import annotations
 
@@ -19,14 +19,16 @@ BODIES = {"greedy": {"temperature": 0.0}, "seeded 0.8": {"temperature": 0.8, "se
 
 
 def distinct_answers(server, body: dict) -> int:
-    request = {"prompt": "Once upon a time there was", "max_tokens": 12,
+    request = {"prompt": "Once upon a time there was", "max_tokens": 8,
                "ignore_eos": True, **body}
-    texts = asyncio.run(send_waves(server.base_url, request, REQUESTS, 16, 20.0, np.random.default_rng(3),
+    texts = asyncio.run(send_waves(server.base_url, request, REQUESTS, 16, 5.0, np.random.default_rng(3),
                                    {"Authorization": f"Bearer {API_KEY}"}))
     return len(Counter(texts))
 
 
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
+# the default mode's count is a report, not a check: the long tier prints it (and BENCHMARKS.md has SmolLM2's)
+@pytest.mark.parametrize("deterministic", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["deterministic", "default"])
 def test_identical_requests_under_random_load_get_one_answer(tmp_path_factory, tiny_gguf, deterministic):
     flags = [*tiny_server_flags(tiny_gguf), "--dtype", "auto", "--max-num-batched-tokens", "32"]
     server = start_server(tmp_path_factory, *flags, *(["--deterministic"] if deterministic else []),

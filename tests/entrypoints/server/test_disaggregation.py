@@ -214,7 +214,7 @@ def cluster(tmp_path_factory, model):
             stop_server(server)
 
 
-@pytest.mark.parametrize("budget", [64, 256])
+@pytest.mark.parametrize("budget", [64, pytest.param(256, marks=pytest.mark.slow)])  # 256 in the long tier
 def test_outputs_equal_the_monolithic_server(cluster, budget):
     pair = cluster[budget]
     assert_outputs_equal_the_monolithic_server(pair.mono, pair.router.post)
