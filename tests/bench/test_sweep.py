@@ -132,6 +132,7 @@ def test_summary_rows_and_tables_from_the_result_files(tmp_path):
     assert "| slow | 100 / 9.0 |  |  |  |" in probes
 
 
+@pytest.mark.slow
 def test_a_real_sweep_of_one_configuration(tmp_path):
     config_file = tmp_path / "sweep.yaml"
     out_dir = tmp_path / "out"

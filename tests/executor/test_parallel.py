@@ -83,6 +83,7 @@ def test_tp2_under_forced_preemption_equals_tp1(tiny_dir, default_tokenizer):
         tp.engine.shutdown()
 
 
+@pytest.mark.slow
 def test_pp2_greedy_tokens_equal_tp1_with_chunks_in_consecutive_micro_batches(default_llm):
     tokenizer = default_llm.get_tokenizer()
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",

@@ -53,7 +53,8 @@ def cold_reference(tmp_path_factory, tiny_gguf) -> tuple[list[int], dict]:
         stop_server(server)
 
 
-@pytest.mark.parametrize("policy", [pytest.param("write_back", marks=pytest.mark.slow), "write_through"])
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
 def test_a_restarted_server_answers_the_next_turn_from_disk(tmp_path_factory, tmp_path, tiny_gguf, cold_reference,
                                                             policy):
     flags = [*tiny_server_flags(tiny_gguf, max_model_len=2048), "--num-kv-blocks", "128",

@@ -112,6 +112,7 @@ def test_a_dead_engine_fails_its_requests_and_the_server_exits_non_zero(tmp_path
         stop_server(server)
 
 
+@pytest.mark.slow
 def test_with_restart_on_failure_a_new_engine_serves_after_503s(tmp_path_factory, tiny_gguf):
     server = start_server(tmp_path_factory, *tiny_server_flags(tiny_gguf), "--restart-engine-on-failure",
                           name="restarting-server", env=TINY_SERVER_ENV)
