@@ -117,6 +117,12 @@ class StepShape:
         return dataclasses.replace(self, encoder_embeds=self.encoder_embeds + num_embeds)
 
     @property
+    def counts(self) -> tuple[int, ...]:
+        """The shape as plain ints, FEATURE_NAMES order after the constant (a step record's `shape`)."""
+        return (self.prefill_rows, self.decode_rows, self.prefill_attention, self.decode_attention, self.draft_rows,
+                self.encoder_embeds)
+
+    @property
     def features(self) -> np.ndarray:
         raw = (1.0, self.prefill_rows, self.decode_rows, self.prefill_attention, self.decode_attention,
                self.draft_rows, self.encoder_embeds)

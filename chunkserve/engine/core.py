@@ -384,10 +384,11 @@ class EngineCore:
             return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
         duration = time.perf_counter() - timing.start
         # (pipelined, a step's wall time includes waiting behind the steps before it)
-        self.predictor.observe(StepShape.of(scheduled.scheduled, scheduled.num_encoder_embeds), observed_step_seconds(
+        shape = StepShape.of(scheduled.scheduled, scheduled.num_encoder_embeds)
+        self.predictor.observe(shape, observed_step_seconds(
             runner_output.rank_stats, self.scheduler_config.max_steps_in_flight, duration))
         stats = self.scheduler.stats()
-        record = self._record(scheduled, timing, duration, stats, runner_output)
+        record = self._record(scheduled, timing, duration, stats, runner_output, shape)
         return EngineCoreOutputs(outputs, time.time(), record, stats)
 
     def _void_step(self, scheduled: SchedulerOutput, error: Exception,
@@ -421,7 +422,7 @@ class EngineCore:
         self.scheduler.restrict_to(self.triage.tested)
 
     def _record(self, scheduled: SchedulerOutput, timing: StepTiming, duration: float, stats: SchedulerStats,
-                runner_output: ModelRunnerOutput) -> StepRecord:
+                runner_output: ModelRunnerOutput, shape: StepShape) -> StepRecord:
         errors = self.predictor.error_quantiles()
         pipelined = self.scheduler_config.max_steps_in_flight > 1
         moved = 0
@@ -461,6 +462,7 @@ class EngineCore:
             ranks=tuple(dataclasses.asdict(r) for r in runner_output.rank_stats) if len(runner_output.rank_stats) > 1
             else (),
             deterministic=self.config.deterministic,
+            shape=shape.counts,
         )
         self.step_records.append(record)
         self._next_step_id += 1

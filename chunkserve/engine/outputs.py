@@ -112,6 +112,9 @@ class StepRecord:
     # included), and its collectives (comm_ops, comm_bytes, comm_s)
     ranks: tuple[dict, ...] = ()
     deterministic: bool = False  # the engine runs in deterministic mode (--deterministic)
+    # the step-time model's inputs (StepShape: prefill_rows, decode_rows, prefill_attention, decode_attention,
+    # draft_rows, encoder_embeds): what `chunkserve profile` fits a step-time profile to
+    shape: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         """One line of a step trace (JSON-ready)."""
