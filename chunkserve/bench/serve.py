@@ -65,8 +65,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     parser.add_argument("--api-key", default=None, help="sent as Bearer (default: $OPENAI_API_KEY)")
-    parser.add_argument("--workload", choices=WORKLOADS, default="random")
     add_dataset_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight")
+    add_workload_arguments(parser)
+    add_result_arguments(parser)
+
+
+def add_result_arguments(parser: argparse.ArgumentParser) -> None:
+    """The SLOs goodput counts and where the result goes (also `chunkserve sim`'s)."""
+    parser.add_argument("--slo-ttft-ms", type=float, default=None)
+    parser.add_argument("--slo-tbt-ms", type=float, default=None, help="bound on every gap between tokens")
+    parser.add_argument("--label", default=None, help="free text stored in the result (default: the workload)")
+    parser.add_argument("--result-file", default=None, help="write the result as JSON here")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The synthetic workload's flags (workloads.py; also `chunkserve sim`'s)."""
+    parser.add_argument("--workload", choices=WORKLOADS, default="random")
     parser.add_argument("--num-prompts", type=positive_int, default=100)
     parser.add_argument("--request-rate", type=positive_float, default=math.inf,
                         help="Poisson arrivals per second, or inf to send everything at once")
@@ -74,12 +90,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=positive_int, default=64)
     parser.add_argument("--range-ratio", type=ratio, default=0.0,
                         help="random workload: lengths uniform in [len*(1-r), len*(1+r)]")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slo-ttft-ms", type=float, default=None)
-    parser.add_argument("--slo-tbt-ms", type=float, default=None, help="bound on every gap between tokens")
-    parser.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight")
-    parser.add_argument("--label", default=None, help="free text stored in the result (default: the workload)")
-    parser.add_argument("--result-file", default=None, help="write the result as JSON here")
     parser.add_argument("--vocab-size", type=positive_int, default=49152,
                         help="prompt token ids are uniform in [100, vocab_size - 100)")
     interference = parser.add_argument_group("interference workload")

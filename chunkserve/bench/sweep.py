@@ -53,6 +53,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -325,7 +326,14 @@ def _bench(base_url: str, config: ServerConfig, flags: list[str], label: str, re
 
 
 def _capacity(base_url: str, config: ServerConfig, sweep: SweepConfig) -> float:
-    """Bisection over [min_rate, max_rate]; every probe's result is kept in out_dir."""
+    return capacity_search(sweep, config, lambda flags, label, path: _bench(base_url, config, flags, label, path))
+
+
+def capacity_search(sweep: SweepConfig, config: ServerConfig,
+                    run_probe: Callable[[list[str], str, str | None], dict]) -> float:
+    """Bisection over [min_rate, max_rate]; every probe's result is kept in out_dir.
+    `run_probe(bench flags, label, result file)` runs one probe and returns its result (a real
+    server's through `bench serve`, or `chunkserve sim --sweep`'s simulated one)."""
     spec = sweep.capacity
     low, high = float(spec["min_rate"]), float(spec["max_rate"])
     best = 0.0
@@ -334,7 +342,7 @@ def _capacity(base_url: str, config: ServerConfig, sweep: SweepConfig) -> float:
         # A new seed per probe: servers with a prefix or prompt cache must not reuse an earlier probe's prompts.
         flags = [*spec["args"], "--request-rate", str(rate), "--seed", str(CAPACITY_SEED + probe)]
         result_file = os.path.join(sweep.out_dir, f"{config.slug}.capacity-{rate:.3f}.json") if sweep.out_dir else None
-        summary = _bench(base_url, config, flags, f"{config.label} @ {rate:.2f} req/s", result_file)["summary"]
+        summary = run_probe(flags, f"{config.label} @ {rate:.2f} req/s", result_file)["summary"]
         passed = probe_passes(summary, spec)
         log(f"{config.label}: capacity probe {rate:.2f} req/s: TBT p99 {_fmt(summary['tbt_ms']['p99'])} ms, "
             f"TTFT p50 {_fmt(summary['ttft_ms']['p50'])} ms -> {'pass' if passed else 'fail'}")

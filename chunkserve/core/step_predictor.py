@@ -60,7 +60,7 @@ from chunkserve.core.stats import RankStepStats
 
 FEATURE_NAMES = ("constant", "prefill_rows", "decode_rows", "prefill_attention", "decode_attention", "draft_rows",
                  "encoder_embeds")
-_SCALE = np.array([1.0, 1e-3, 1e-3, 1e-6, 1e-6, 1e-3, 1e-3])  # keeps the normal equations well conditioned
+FEATURE_SCALE = np.array([1.0, 1e-3, 1e-3, 1e-6, 1e-6, 1e-3, 1e-3])  # keeps the normal equations well conditioned
 
 
 def chunk_attention(start: int, num_tokens: int) -> int:
@@ -126,7 +126,7 @@ class StepShape:
     def features(self) -> np.ndarray:
         raw = (1.0, self.prefill_rows, self.decode_rows, self.prefill_attention, self.decode_attention,
                self.draft_rows, self.encoder_embeds)
-        return np.asarray(raw, dtype=np.float64) * _SCALE
+        return np.asarray(raw, dtype=np.float64) * FEATURE_SCALE
 
 
 class SlowdownMargin:
@@ -214,7 +214,7 @@ class StepTimePredictor:
             return
         features = np.stack([f for f, _ in samples])
         times = np.array([t for _, t in samples])
-        self.coefficients = _nonnegative_relative_fit(features, times)
+        self.coefficients = fit_step_times(features, times)
         self._since_fit = 0
         self._slowdown.update()
 
@@ -245,8 +245,9 @@ def observed_step_seconds(rank_stats: list[RankStepStats], pipeline_stages: int,
     return pipeline_stages * max(r.stage_s for r in rank_stats)
 
 
-def _nonnegative_relative_fit(features: np.ndarray, times: np.ndarray) -> np.ndarray:
-    """Least squares of sum(((features @ x) - t) / t)^2 with x >= 0: the most negative term
+def fit_step_times(features: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """The model's coefficients (per scaled feature, `StepShape.features`) for steps of these
+    features and seconds (also `chunkserve profile`'s offline fit). Least squares of sum(((features @ x) - t) / t)^2 with x >= 0: the most negative term
     is dropped and the rest refitted until none is negative.
 
     A term whose column is all zero in the data (no prefill seen yet) gets 0: it is unknown,

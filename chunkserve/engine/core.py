@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import resolve_model
+from chunkserve.core.clock import SYSTEM_CLOCK, Clock
 from chunkserve.core.kv.events import MEDIUM_POOL, external_block_hash
 from chunkserve.core.kv.layout import ModelFingerprint
 from chunkserve.core.kv.snapshot import RequestSnapshot, SnapshotBlock
@@ -62,19 +63,20 @@ class StepTiming:
     margin: float
 
     @classmethod
-    def start_now(cls, predictor: StepTimePredictor) -> StepTiming:
-        start_wall, start = time.time(), time.perf_counter()
-        return cls(start_wall, start, predictor.margin)
+    def start_now(cls, predictor: StepTimePredictor, clock: Clock) -> StepTiming:
+        return cls(clock.time(), clock.perf_counter(), predictor.margin)
 
 
 class EngineCore:
     def __init__(self, config: EngineArgs, executor: Executor | None = None,
-                 kv_connector: KVConnectorScheduler | None = None) -> None:
+                 kv_connector: KVConnectorScheduler | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         """`kv_connector`: the scheduler's side of a KV connector (its worker side goes to the
         executor's workers); none: the connector the flags configure, if any (the disk tier or a
         side of disaggregation, from core/kv_connector_factory.py's table; the workers build its
-        worker side from the same row)."""
+        worker side from the same row). `clock`: what every time stamp and step duration reads
+        (a simulation's virtual clock, core/clock.py)."""
         self.config = config
+        self.clock = clock
         self.executor = executor or make_executor(config)
         self.kv_events: KVEventPublisher | None = None
         try:
@@ -97,8 +99,8 @@ class EngineCore:
         if kv_connector is None:  # the connector the flags ask for (the workers build its other side)
             kv_connector = build_scheduler_side(self.engine_config.kv_connector, lambda: self.fingerprint)
         self.structured = StructuredOutputManager(self._load_tokenizer, self.model_config.vocab_size)
-        self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, kv_connector=kv_connector,
-                                   structured=self.structured)
+        self.scheduler = Scheduler(self.scheduler_config, num_blocks, self.predictor, clock=self.clock.time,
+                                   kv_connector=kv_connector, structured=self.structured)
         kv_events = self.engine_config.kv_events
         self.kv_events = KVEventPublisher(kv_events) if kv_events is not None and kv_events.publishes else None
         self._publish_kv_events()  # (the disk tier's files found at start)
@@ -315,7 +317,7 @@ class EngineCore:
     def _step(self) -> EngineCoreOutputs | None:
         if self.scheduler_config.max_steps_in_flight > 1:
             return self._step_pipelined()
-        timing = StepTiming.start_now(self.predictor)
+        timing = StepTiming.start_now(self.predictor, self.clock)
         scheduled = self.scheduler.schedule()
         self._delay_for_tests(scheduled)
         try:
@@ -336,7 +338,7 @@ class EngineCore:
         works on a different one), then take the oldest one's output. A step that fails voids
         every step in flight after it too (they were scheduled on its progress)."""
         while len(self._in_flight) < self.scheduler_config.max_steps_in_flight:
-            timing = StepTiming.start_now(self.predictor)
+            timing = StepTiming.start_now(self.predictor, self.clock)
             scheduled = self.scheduler.schedule()
             if scheduled.is_empty and self._in_flight:  # all that may run is in flight: its finished ids ride
                 self.scheduler.void_step(scheduled)  # the next step
@@ -381,15 +383,15 @@ class EngineCore:
         if scheduled.is_empty:  # (a KV connector's progress shows in the stats, e.g. /metrics)
             if runner_output.kv_connector_output is None and not outputs and not runner_output.finished_sending:
                 return None  # (a transfer that timed out has an output; held blocks freed change the stats)
-            return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
-        duration = time.perf_counter() - timing.start
+            return EngineCoreOutputs(outputs, self.clock.time(), None, self.scheduler.stats())
+        duration = self.clock.since(timing.start)
         # (pipelined, a step's wall time includes waiting behind the steps before it)
         shape = StepShape.of(scheduled.scheduled, scheduled.num_encoder_embeds)
         self.predictor.observe(shape, observed_step_seconds(
             runner_output.rank_stats, self.scheduler_config.max_steps_in_flight, duration))
         stats = self.scheduler.stats()
         record = self._record(scheduled, timing, duration, stats, runner_output, shape)
-        return EngineCoreOutputs(outputs, time.time(), record, stats)
+        return EngineCoreOutputs(outputs, self.clock.time(), record, stats)
 
     def _void_step(self, scheduled: SchedulerOutput, error: Exception,
                    later: Sequence[SchedulerOutput] = ()) -> EngineCoreOutputs | None:
@@ -415,7 +417,7 @@ class EngineCore:
         self._restrict_to_tested()
         if not outputs:
             return None
-        return EngineCoreOutputs(outputs, time.time(), None, self.scheduler.stats())
+        return EngineCoreOutputs(outputs, self.clock.time(), None, self.scheduler.stats())
 
     def _restrict_to_tested(self) -> None:
         """While the triage searches, only the requests it tests run."""

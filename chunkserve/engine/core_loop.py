@@ -15,7 +15,6 @@ import pickle
 import queue
 import signal
 import threading
-import time
 from collections.abc import Callable
 
 from chunkserve.config.engine import EngineArgs
@@ -133,7 +132,7 @@ class EngineCoreLoop:
             self.emit(step)
 
     def _emit_outputs(self, record: StepRecord | None, outputs: list[EngineCoreOutput]) -> None:
-        self.emit(EngineCoreOutputs(outputs, time.time(), record, self.core.get_stats()))
+        self.emit(EngineCoreOutputs(outputs, self.core.clock.time(), record, self.core.get_stats()))
 
 
 def _take(commands: queue.SimpleQueue, block: bool) -> list[Command]:

@@ -17,6 +17,7 @@ import sys
 
 from chunkserve.bench.datasets import DatasetError
 from chunkserve.config.engine import EngineArgs
+from chunkserve.entrypoints import sim_cli
 from chunkserve.entrypoints.args import ServerArgs, add_cli_args, from_cli_args
 from chunkserve.entrypoints.foreign_flags import add_foreign_flags, check_foreign_flags
 from chunkserve.entrypoints.router.args import add_arguments as add_router_arguments
@@ -55,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         "router", help="pair requests over prefill and decode servers (PD disaggregation; SMG's `smg launch "
                        "--pd-disaggregation` does too, with more policies: README, \"Serving a fleet\")")
     add_router_arguments(router)
+    sim = commands.add_parser("sim", help="simulate serving a workload: the real scheduler on a simulated clock",
+                              description=sim_cli.__doc__.split("\n", 1)[0])
+    sim_cli.add_sim_arguments(sim)
+    profile = commands.add_parser("profile", help="fit the step-time profile `chunkserve sim` runs on")
+    sim_cli.add_profile_arguments(profile)
     bench = commands.add_parser("bench", help="benchmark OpenAI-compatible servers, plot and sweep")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     for name, (module_name, text) in BENCH_COMMANDS.items():
@@ -169,6 +175,10 @@ def main(argv: list[str] | None = None) -> None:
             from chunkserve.entrypoints.router.app import main as router_main
 
             router_main(args)
+        elif args.command == "sim":
+            sim_cli.sim_main(args)
+        elif args.command == "profile":
+            sim_cli.profile_main(args)
         elif args.command == "bench":
             logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
             try:

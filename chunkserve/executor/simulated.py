@@ -1,23 +1,44 @@
 """An executor with no model: every sampled row gets a made-up token at once.
 
-It runs the engine core's real scheduling, KV accounting and messaging at no model cost, for
-measuring what the core itself costs (benchmarks/engine/step_message_bytes.py) and for tests of the
-core without weights. Its tokens are a fixed function of the request's history, so a run is
+It runs the engine core's real scheduling, KV accounting and messaging at no model cost: for
+measuring what the core itself costs (benchmarks/engine/step_message_bytes.py), for tests of the
+core without weights, and, given a `StepTimer` and the core's `VirtualClock`, for `chunkserve
+sim`, where each step advances the virtual clock by the time the timer says it would take on
+the profiled hardware. Its tokens are a fixed function of the request's history, so a run is
 reproducible; they never include the model's EOS unless the vocabulary is that small."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
+from chunkserve.core.clock import VirtualClock
 from chunkserve.core.messages import ModelRunnerOutput, SchedulerOutput
+from chunkserve.core.step_predictor import StepShape
 from chunkserve.executor.base import Executor
 from chunkserve.model.config import ModelConfig
 
 
+class StepTimer(Protocol):
+    """How long simulated steps take (chunkserve/sim/timing.py has the profile's and a replay's)."""
+
+    def step_seconds(self, scheduler_output: SchedulerOutput) -> float:
+        """The next step's seconds, called once per step that runs requests, in step order."""
+
+    def profile_seconds(self, shape: StepShape) -> float:
+        """A synthetic start-up profile step's seconds (the SLO budgets' first fit)."""
+
+
 class SimulatedExecutor(Executor):
-    def __init__(self, model_config: ModelConfig, num_blocks: int) -> None:
+    def __init__(self, model_config: ModelConfig, num_blocks: int, timer: StepTimer | None = None,
+                 clock: VirtualClock | None = None) -> None:
+        """With `timer`, each step that runs requests moves `clock` (the engine core's) on by
+        the timer's seconds; without, steps take no simulated time."""
+        if (timer is None) != (clock is None):
+            raise ValueError("a step timer needs the virtual clock it moves, and a clock a timer")
         self.model_config = model_config
         self.num_blocks = num_blocks
+        self.timer = timer
+        self.clock = clock
         self._num_tokens: dict[str, int] = {}  # each request's history length, as a worker keeps it
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -25,7 +46,12 @@ class SimulatedExecutor(Executor):
             return [self.num_blocks]
         if method in ("load_model", "initialize_kv_cache"):
             return [None]
-        raise NotImplementedError(f"the simulated executor has no {method!r} (it runs no model and times nothing)")
+        raise NotImplementedError(f"the simulated executor has no {method!r} (it runs no model)")
+
+    def profile(self, rows: list[tuple[int, int]], seed: int = 0) -> float:
+        if self.timer is None:
+            raise NotImplementedError("the simulated executor times steps only with a step timer (chunkserve sim)")
+        return self.timer.profile_seconds(StepShape.of_rows(rows))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_request_ids:
@@ -38,6 +64,8 @@ class SimulatedExecutor(Executor):
                 length = self._num_tokens[s.request_id]
                 sampled[s.request_id] = [self.token_at(length)]
                 self._num_tokens[s.request_id] = length + 1
+        if self.timer is not None and not scheduler_output.is_empty:
+            self.clock.advance(self.timer.step_seconds(scheduler_output))
         return ModelRunnerOutput(sampled)
 
     def token_at(self, position: int) -> int:

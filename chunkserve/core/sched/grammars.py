@@ -48,13 +48,14 @@ class Grammars:
         return self.manager.num_valid_drafts(request_id, drafts)
 
     def fill_bitmasks(self, scheduled: list[ScheduledRequest]) -> float:
-        """Each sampling row's bitmask, on its scheduled request; returns the seconds it took."""
-        if self.manager is None:
+        """Each sampling row's bitmask, on its scheduled request; returns the seconds it took
+        (0 when no row has a grammar: a step without grammars reads no clock)."""
+        rows = [s for s in scheduled if s.sample and self.manager is not None and self.manager.has(s.request_id)]
+        if not rows:
             return 0.0
         start = time.perf_counter()
-        for s in scheduled:
-            if s.sample and self.manager.has(s.request_id):
-                s.grammar_bitmask = self.manager.bitmask(s.request_id, s.draft_token_ids)
+        for s in rows:
+            s.grammar_bitmask = self.manager.bitmask(s.request_id, s.draft_token_ids)
         return time.perf_counter() - start
 
     def advance(self, request: Request, accepted: list[int]) -> tuple[RequestStatus | None, str | None]:

@@ -1,0 +1,85 @@
+"""Simulated replicas behind a router, on one timeline: every replica's steps and every
+arrival happen in time order (a discrete-event loop), so a 10-minute workload runs in seconds.
+
+Routers (the policies SMG and vLLM's router offer, by the names users know):
+- `round-robin`: request i to replica i mod N.
+- `least-load`: the replica with the fewest unfinished requests.
+- `prefix`: the replica whose prefix cache holds the longest start of the prompt (ties: least
+  load), as SMG's cache_aware and Dynamo's KV router aim to.
+A request is routed when it arrives, from the replicas' state at that moment.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+
+from chunkserve.bench.client import RequestResult
+from chunkserve.errors import InvalidRequestError
+from chunkserve.sim.replica import Replica
+from chunkserve.sim.trace import SimRequest
+
+ROUTERS = ("round-robin", "least-load", "prefix")
+
+
+def route(router: str, replicas: list[Replica], index: int, prompt: tuple[int, ...]) -> Replica:
+    if router == "round-robin":
+        return replicas[index % len(replicas)]
+    if router == "least-load":
+        return min(replicas, key=lambda r: r.load)
+    if router == "prefix":
+        return max(replicas, key=lambda r: (r.cached_prefix_tokens(prompt), -r.load))
+    raise InvalidRequestError(f"--router must be one of {', '.join(ROUTERS)}, got {router!r}")
+
+
+def run_fleet(requests: list[SimRequest], replicas: list[Replica], router: str = "round-robin",
+              start_time: float = 0.0, on_finished: Callable[[], None] | None = None) -> list[RequestResult]:
+    """Serve `requests` (arrivals in seconds from `start_time`) on `replicas`; each request's
+    results in trace order (n samples of a request: n results, one after another)."""
+    if router not in ROUTERS:
+        raise InvalidRequestError(f"--router must be one of {', '.join(ROUTERS)}, got {router!r}")
+    arrivals: list[tuple[float, int, int]] = []  # (time, order, request index)
+    order = itertools.count()
+    followers: dict[int, list[int]] = {}
+    for index, request in enumerate(requests):
+        if request.after is None:
+            heapq.heappush(arrivals, (start_time + request.arrival, next(order), index))
+        else:
+            followers.setdefault(request.after, []).append(index)
+    where: dict[str, tuple[Replica, int]] = {}  # sample id -> (replica, request index)
+    samples_left = {index: request.n for index, request in enumerate(requests)}
+    routed = 0
+    while True:
+        busy = [(when, i) for i, r in enumerate(replicas) if (when := r.next_event()) is not None]
+        next_step = min(busy) if busy else None
+        if arrivals and (next_step is None or arrivals[0][0] <= next_step[0]):
+            when, _, index = heapq.heappop(arrivals)
+            request = requests[index]
+            replica = route(router, replicas, routed, request.prompt_token_ids)
+            routed += 1
+            for sample in range(request.n):
+                sample_id = f"{index}-{sample}"
+                replica.submit(sample_id, request.prompt_token_ids, request.output_len, when, request.kind,
+                               request.priority)
+                where[sample_id] = (replica, index)
+            continue
+        if next_step is None:
+            break
+        replica = replicas[next_step[1]]
+        before = replica.num_events
+        for sample_id in replica.advance():
+            index = where[sample_id][1]
+            samples_left[index] -= 1
+            if on_finished is not None:
+                on_finished()
+            if samples_left[index] == 0:
+                ended = max(replica.results[f"{index}-{s}"].end_time for s in range(requests[index].n))
+                for follower in followers.get(index, ()):
+                    heapq.heappush(arrivals, (ended + requests[follower].arrival, next(order), follower))
+        if replica.num_events == before:
+            raise RuntimeError("a simulated engine made no progress: it holds requests it can never schedule")
+    unrouted = [i for i in range(len(requests)) if f"{i}-0" not in where]
+    if unrouted:
+        raise InvalidRequestError(f"requests {unrouted[:5]} never arrived: their `after` request never ended")
+    return [where[f"{i}-{s}"][0].results[f"{i}-{s}"] for i, request in enumerate(requests) for s in range(request.n)]
