@@ -64,7 +64,7 @@ def simulate_requests(args: argparse.Namespace, engine_args: EngineArgs, profile
     """One simulated run as a bench result (and its step records, with --trace-steps)."""
     total = sum(r.n for r in requests)
     with tqdm(total=total, file=sys.stderr, unit="req", desc="simulated", disable=not progress) as bar:
-        run = simulate(requests, engine_args, profile, args.replicas, args.router, engine_args.seed,
+        run = simulate(requests, engine_args, profile, args.replicas, args.router,
                        on_finished=lambda: bar.update(1))
     if getattr(args, "trace_steps", None):
         write_step_records(run, args.trace_steps)

@@ -26,6 +26,9 @@ from chunkserve.sampling_params import SamplingParams
 from chunkserve.sim.timing import ProfileTimer, ReplayTimer
 
 
+MAX_IDLE_S = 60.0  # an engine that schedules nothing this long while it holds requests never will
+
+
 @dataclass(frozen=True)
 class Latencies:
     """The ways into and out of the engine core that a step trace does not see."""
@@ -59,7 +62,7 @@ class Replica:
         self._pending: list[tuple[float, int, str, EngineCoreRequest]] = []  # (reaches the core, order, id, request)
         self._order = itertools.count()
         self.results: dict[str, RequestResult] = {}
-        self.num_events = 0  # requests taken in plus steps that did something: what shows progress
+        self._idle_s = 0.0  # simulated seconds since the last step while requests were unfinished
 
     # ----- what a router reads ---------------------------------------------------------------
 
@@ -99,13 +102,14 @@ class Replica:
         """Take in the requests that reached the core, run one step; the ids that finished in it."""
         if not self.core.has_unfinished_requests() and self._pending:
             self.clock.advance_to(self._pending[0][0])
+        added = 0
         while self._pending and self._pending[0][0] <= self.clock.now:
             self.core.add_request(heapq.heappop(self._pending)[3])
-            self.num_events += 1
+            added += 1
         step = self.core.step()
         finished = []
         if step is not None:
-            self.num_events += 1
+            self._idle_s = 0.0
             seen = self.clock.now + self.latencies.output_s
             for output in step.outputs:
                 result = self.results[output.request_id]
@@ -119,4 +123,10 @@ class Replica:
                     finished.append(output.request_id)
             if step.record is not None:
                 self.clock.advance(self.timer.gap_seconds())
+        elif self.core.has_unfinished_requests() and not added:  # the engine loop turns while time passes
+            self._idle_s += self.timer.idle_seconds()
+            self.clock.advance(self.timer.idle_seconds())
+            if self._idle_s > MAX_IDLE_S:
+                raise RuntimeError(f"the simulated engine scheduled nothing for {MAX_IDLE_S:.0f} simulated seconds "
+                                   f"while holding {len(self.core.unfinished_request_ids())} request(s)")
         return finished

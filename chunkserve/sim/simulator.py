@@ -80,11 +80,11 @@ class SimRun:
 
 
 def simulate(requests: list[SimRequest], engine_args: EngineArgs, profile: StepTimeProfile | None = None,
-             replicas: int = 1, router: str = "round-robin", seed: int = 0,
+             replicas: int = 1, router: str = "round-robin",
              replay: list[dict[str, Any]] | None = None, start_time: float = 0.0, record_steps: bool = False,
              on_finished: Callable[[], None] | None = None) -> SimRun:
     """Serve `requests` on `replicas` simulated engines of `engine_args`, steps timed by
-    `profile` (residuals drawn by `seed`) or, with `replay`, by a recorded run's step records
+    `profile` (residuals drawn by `engine_args.seed`, the run's one seed) or, with `replay`, by a recorded run's step records
     (one replica; its clock starts at `start_time`, the recorded run's first step)."""
     check_simulable(engine_args)
     if (profile is None) == (replay is None):
@@ -100,7 +100,7 @@ def simulate(requests: list[SimRequest], engine_args: EngineArgs, profile: StepT
         blocks = num_kv_blocks(engine_args, model_config, StepTimeProfile({}))
     fleet = []
     for index in range(replicas):
-        timer = ReplayTimer(replay) if replay is not None else ProfileTimer(profile, seed * 1000 + index)
+        timer = ReplayTimer(replay) if replay is not None else ProfileTimer(profile, (engine_args.seed, index))
         fleet.append(Replica(engine_args, model_config, blocks, timer, latencies, start_time, record_steps))
     started = time.perf_counter()  # the simulator's own cost, reported; never part of simulated time
     results = run_fleet(requests, fleet, router, start_time, on_finished)

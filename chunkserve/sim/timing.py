@@ -16,6 +16,9 @@ from chunkserve.errors import InvalidRequestError
 from chunkserve.sim.profile import StepTimeProfile
 
 RESIDUAL_RUN_STEPS = 32  # consecutive residuals drawn together: the host's bursts last about this long
+# An engine with requests but nothing it may schedule now (a prompt held back by the TBT SLO until the
+# prefill-wait guard lets it through) loops until it may: in simulation, time moves on by this much a turn.
+IDLE_TURN_S = 0.001
 
 
 class ProfileTimer:
@@ -23,7 +26,8 @@ class ProfileTimer:
     `run_steps` consecutive ones from a random place in the profile's sequence (seeded), so a
     burst of slow steps in the profiled run is a burst here too, not spread thin."""
 
-    def __init__(self, profile: StepTimeProfile, seed: int = 0, run_steps: int = RESIDUAL_RUN_STEPS) -> None:
+    def __init__(self, profile: StepTimeProfile, seed: int | tuple[int, ...] = 0,
+                 run_steps: int = RESIDUAL_RUN_STEPS) -> None:
         self.profile = profile
         self._rng = np.random.default_rng(seed)
         self._run_steps = run_steps
@@ -50,6 +54,9 @@ class ProfileTimer:
     def gap_seconds(self) -> float:
         return self.profile.step_gap_s
 
+    def idle_seconds(self) -> float:
+        return max(self.profile.step_gap_s, IDLE_TURN_S)
+
 
 class ReplayTimer:
     """A recorded run's steps, one by one: step i takes record i's `duration_s`, and the gap after
@@ -71,6 +78,9 @@ class ReplayTimer:
     def profile_seconds(self, shape: StepShape) -> float:
         raise InvalidRequestError("a replay cannot time the start-up profile (it is not in a step trace): replay "
                                   "runs without --tbt-slo-ms, --ttft-slo-ms or automatic speculation")
+
+    def idle_seconds(self) -> float:
+        return IDLE_TURN_S
 
     def gap_seconds(self) -> float:
         """The gap after the step just timed (0 after the last)."""

@@ -1,0 +1,82 @@
+"""`chunkserve profile` and `chunkserve sim` as a user runs them (in this process)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from chunkserve.entrypoints.cli import main
+from tests.sim.support import PROFILE
+from tests.sim.test_profile import records_from
+
+
+@pytest.fixture
+def profile_file(tmp_path, capsys) -> str:
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in records_from(PROFILE, np.ones(200), 0.001)))
+    path = str(tmp_path / "profile.json")
+    main(["profile", str(trace), "-o", path, "--kv-cache-memory-gb", "1"])
+    assert f"profile of 200 steps written to {path}" in capsys.readouterr().out
+    return path
+
+
+def test_a_simulated_run_writes_a_bench_result_that_bench_plot_reads(profile_file, tmp_path, capsys):
+    result, steps = str(tmp_path / "result.json"), str(tmp_path / "sim-steps.jsonl")
+    main(["sim", "--profile", profile_file, "--workload", "sharegpt-like", "--num-prompts", "12", "--request-rate", "4",
+          "--max-num-batched-tokens", "256", "--kv-cache-memory-gb", "1", "--result-file", result,
+          "--trace-steps", steps, "--disable-tqdm"])
+    out = capsys.readouterr().out
+    assert "TTFT" in out and "simulated" in out
+    written = json.load(open(result))
+    assert written["summary"]["completed"] == 12 and written["simulator"]["profile"]["source"].endswith("steps.jsonl")
+    assert written["config"]["engine"]["max_num_batched_tokens"] == 256
+    assert all(json.loads(line)["num_prefill_tokens"] + json.loads(line)["num_decode_tokens"] <= 256
+               for line in open(steps))
+    main(["bench", "plot", result, "--trace", steps, "-o", str(tmp_path / "plots")])
+    assert os.listdir(tmp_path / "plots")
+
+
+def test_the_rate_search_prints_the_highest_rate_meeting_the_slos(profile_file, tmp_path, capsys):
+    out_file = str(tmp_path / "capacity.json")
+    main(["sim", "--profile", profile_file, "--workload", "random", "--num-prompts", "40", "--input-len", "128",
+          "--output-len", "16", "--kv-cache-memory-gb", "1", "--search-rate", "--slo", "tbt_p99=100",
+          "--slo", "ttft_p50=1000", "--min-rate", "0.5", "--max-rate", "40", "--result-file", out_file])
+    assert "highest rate meeting tbt_p99<=100ms, ttft_p50<=1000ms:" in capsys.readouterr().out
+    written = json.load(open(out_file))
+    assert 0.5 <= written["capacity_rps"] < 40 and written["probes"][0]["passed"] is False
+
+
+def test_a_sweep_file_is_simulated_and_ranked(profile_file, tmp_path, capsys):
+    config = tmp_path / "sweep.yaml"
+    config.write_text(yaml.safe_dump({
+        "out_dir": str(tmp_path / "real"), "server_args": ["--kv-cache-memory-gb", "1"],
+        "configs": [{"label": "budget 64", "args": ["--max-num-batched-tokens", "64"]},
+                    {"label": "budget 1024", "args": ["--max-num-batched-tokens", "1024"]},
+                    {"label": "a peer", "command": ["vllm", "serve"]}],
+        "workloads": {"chat": ["--workload", "sharegpt-like", "--num-prompts", "8", "--request-rate", "2"]},
+        "capacity": {"slo_tbt_ms": 200, "min_rate": 0.5, "max_rate": 8, "probes": 3,
+                     "args": ["--workload", "sharegpt-like", "--num-prompts", "8"]}}))
+    main(["sim", "--sweep", str(config), "--profile", profile_file])
+    out = capsys.readouterr().out
+    assert "Ranking (req/s capacity): budget" in out and "a peer" not in out.split("Ranking")[1]
+    summary = open(tmp_path / "real-sim" / "summary.md").read()
+    assert "| budget 64 |" in summary and "| budget 1024 |" in summary
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sim", "--workload", "random"], "needs --profile"),
+    (["sim", "--profile", "{profile}", "--search-rate"], "needs at least one --slo"),
+    (["sim", "--profile", "{profile}", "--search-rate", "--workload", "interference", "--slo", "tbt_p99=1"],
+     "Poisson"),
+    (["sim", "--profile", "{profile}", "--disaggregation-mode", "prefill"], "--disaggregation-mode"),
+    (["sim", "--profile", "{profile}", "--trace", "{missing}"], "could not be read"),
+])
+def test_a_bad_command_line_exits_2_naming_the_problem(profile_file, tmp_path, capsys, argv, message):
+    filled = [a.format(profile=profile_file, missing=str(tmp_path / "none.jsonl")) for a in argv]
+    with pytest.raises(SystemExit) as exited:
+        main(filled)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
