@@ -9,8 +9,8 @@ configurations, with two kinds of profile, neither fitted on the run it predicts
   latency on the bench results) of every other configuration of the sweep.
 
     chunkserve bench sweep --config benchmarks/engine/sim_profile.yaml
-    chunkserve profile bench-results/sim-profile/budget-256.steps.jsonl -o profile.json \\
-        --max-num-batched-tokens 256 --kv-cache-memory-gb 1 --bench-result bench-results/sim-profile/budget-256.random.json
+    chunkserve profile bench-results/sim-profile/*.steps.jsonl -o profile.json --max-num-batched-tokens 256 \\
+        --kv-cache-memory-gb 1 --bench-result bench-results/sim-profile/budget-256.random.json
     chunkserve bench sweep --config benchmarks/engine/sim_accuracy.yaml
     .venv/bin/python -m benchmarks.engine.sim_accuracy --profile profile.json --out bench-results/sim-accuracy-report
 

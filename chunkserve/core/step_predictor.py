@@ -4,7 +4,7 @@ SGLang fits f(l) = a*l^2 + b*l + c to a chunk's length for pipeline parallelism;
 whole mixed step, because a step is decodes plus chunks:
 
     t = c + a_p * prefill_rows + a_d * decode_rows + b_p * prefill_attention + b_d * decode_attention
-          + a_s * draft_rows + a_e * encoder_embeds
+          + a_s * draft_rows + a_e * encoder_embeds + c_p * [the step has prompt rows]
 
 where a chunk's attention work is the number of (query, key) pairs it scores, sum over its
 tokens of the keys before them (quadratic in its length: SGLang's l^2 term), and a decode's
@@ -28,6 +28,11 @@ current level: the p99 scaled by the median of the last few ratios over the whol
 median, never below the p99 itself. Replayed over recorded SLO runs (benchmarks/engine/margin_replay.py),
 this leaves far fewer steps over their margin than a higher quantile of the same mean size (see
 docs/benchmarks-log.md, "A margin that follows the host's level").
+
+A step with prompt rows also costs a fixed amount more than one without (`c_p`): its linears
+run as large GEMMs (oneDNN's, with their per-call setup), a decode-only step's as the small-batch
+kernels; without the term, a 64-row chunk was predicted 30-40% short and a long one long by a fit
+that had to make one line through both (docs/benchmarks-log.md, "Simulator accuracy").
 
 Speculative decoding adds draft rows: a decode verifying k drafts is k + 1 decode rows, and
 its k draft rows also count on their own (`a_s`), since its rows go through attention as one
@@ -59,8 +64,8 @@ from chunkserve.core.messages import ScheduledRequest
 from chunkserve.core.stats import RankStepStats
 
 FEATURE_NAMES = ("constant", "prefill_rows", "decode_rows", "prefill_attention", "decode_attention", "draft_rows",
-                 "encoder_embeds")
-FEATURE_SCALE = np.array([1.0, 1e-3, 1e-3, 1e-6, 1e-6, 1e-3, 1e-3])  # keeps the normal equations well conditioned
+                 "encoder_embeds", "prefill_step")
+FEATURE_SCALE = np.array([1.0, 1e-3, 1e-3, 1e-6, 1e-6, 1e-3, 1e-3, 1.0])  # keeps the normal equations well conditioned
 
 
 def chunk_attention(start: int, num_tokens: int) -> int:
@@ -118,14 +123,15 @@ class StepShape:
 
     @property
     def counts(self) -> tuple[int, ...]:
-        """The shape as plain ints, FEATURE_NAMES order after the constant (a step record's `shape`)."""
+        """The shape as plain ints (a step record's `shape`): FEATURE_NAMES order after the constant, up
+        to the last (`prefill_step`, which follows from `prefill_rows`)."""
         return (self.prefill_rows, self.decode_rows, self.prefill_attention, self.decode_attention, self.draft_rows,
                 self.encoder_embeds)
 
     @property
     def features(self) -> np.ndarray:
         raw = (1.0, self.prefill_rows, self.decode_rows, self.prefill_attention, self.decode_attention,
-               self.draft_rows, self.encoder_embeds)
+               self.draft_rows, self.encoder_embeds, 1.0 if self.prefill_rows else 0.0)
         return np.asarray(raw, dtype=np.float64) * FEATURE_SCALE
 
 
@@ -223,7 +229,8 @@ class StepTimePredictor:
         if self.coefficients is None:
             return "no fit yet"
         units = ("ms", "ms per 1k prefill rows", "ms per 1k decode rows", "ms per 1M prefill (query, key) pairs",
-                 "ms per 1M decode context tokens", "ms per 1k draft rows", "ms per 1k encoder rows")
+                 "ms per 1M decode context tokens", "ms per 1k draft rows", "ms per 1k encoder rows",
+                 "ms per step with prompt rows")
         return " + ".join(f"{c * 1e3:.3g} {unit}" for c, unit in zip(self.coefficients, units))
 
     def error_quantiles(self) -> tuple[float, float] | None:
@@ -247,13 +254,19 @@ def observed_step_seconds(rank_stats: list[RankStepStats], pipeline_stages: int,
 
 def fit_step_times(features: np.ndarray, times: np.ndarray) -> np.ndarray:
     """The model's coefficients (per scaled feature, `StepShape.features`) for steps of these
-    features and seconds (also `chunkserve profile`'s offline fit). Least squares of sum(((features @ x) - t) / t)^2 with x >= 0: the most negative term
+    features and seconds (also `chunkserve profile`'s offline fit).
+
+    Least squares of sum(((features @ x) - t) / t)^2 with x >= 0: the most negative term
     is dropped and the rest refitted until none is negative.
 
-    A term whose column is all zero in the data (no prefill seen yet) gets 0: it is unknown,
-    not free; the start-up profile makes sure every term has data."""
+    A term whose column is all zero in the data (no prefill seen yet), or equal to an earlier
+    term's (only steps with prompt rows seen), gets 0: it is unknown, not free; the start-up
+    profile makes sure every term has data."""
     weighted = features / times[:, None]
-    active = [i for i in range(features.shape[1]) if np.any(features[:, i])]
+    active: list[int] = []  # terms with data of their own (all steps with prompt rows: prefill_step = constant)
+    for i in range(features.shape[1]):
+        if np.any(features[:, i]) and not any(np.array_equal(features[:, i], features[:, j]) for j in active):
+            active.append(i)
     coefficients = np.zeros(features.shape[1])
     while active:
         solution, *_ = np.linalg.lstsq(weighted[:, active], np.ones(len(times)), rcond=None)

@@ -6,6 +6,7 @@ is written as the server would be started.
     chunkserve profile -o profile.json                         # or by timing synthetic steps here
     chunkserve sim --profile profile.json --workload sharegpt-like --request-rate 2 --max-num-batched-tokens 512
     chunkserve sim --profile profile.json --trace requests.jsonl --replicas 4 --router prefix
+    chunkserve sim --profile profile.json --from-log server.log   # what a server with --enable-log-requests served
     chunkserve sim --profile profile.json --workload sharegpt-like --search-rate --slo ttft_p90=2000 --slo tbt_p99=300
     chunkserve sim --profile profile.json --sweep benchmarks/engine/sim_accuracy.yaml
 
@@ -30,6 +31,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                      help="the requests (docs/SIMULATOR.md has the format); default: the --workload flags")
     sim.add_argument("--from-result", metavar="RESULT.json",
                      help="the requests of a `chunkserve bench serve` result (its workload, rebuilt exactly)")
+    sim.add_argument("--from-log", metavar="SERVER.log",
+                     help="the requests a server logged with --enable-log-requests (each to its max_tokens)")
     sim.add_argument("--replicas", type=bench_serve.positive_int, default=1, help="engines behind the router")
     sim.add_argument("--router", choices=ROUTERS, default="round-robin", help="how requests pick a replica")
     sim.add_argument("--trace-steps", metavar="STEPS.jsonl", help="write every simulated step's record here")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -23,20 +24,31 @@ from chunkserve.errors import InvalidRequestError
 from chunkserve.sim.profile import StepTimeProfile, fit_profile, read_trace
 from chunkserve.sim.search import SLO, run_sweep, search_rate
 from chunkserve.sim.simulator import result_json, simulate, write_step_records
-from chunkserve.sim.trace import SimRequest, from_bench_result, from_workload, read_request_trace
+from chunkserve.sim.trace import SimRequest, from_bench_result, from_request_log, from_workload, read_request_trace
 
 logger = logging.getLogger(__name__)
 
 
 def requests_of(args: argparse.Namespace) -> tuple[list[SimRequest], str]:
     """The requests to simulate and the workload's name."""
-    if args.trace and args.from_result:
-        raise InvalidRequestError("give the requests once: --trace or --from-result")
+    given = [flag for flag, value in (("--trace", args.trace), ("--from-result", args.from_result),
+                                      ("--from-log", args.from_log)) if value]
+    if len(given) > 1:
+        raise InvalidRequestError(f"give the requests once, not with {' and '.join(given)}")
     if args.trace:
         return read_request_trace(args.trace), "trace"
     if args.from_result:
         return from_bench_result(args.from_result), "result"
+    if args.from_log:
+        return from_request_log(args.from_log, lambda text: _tokenizer(args.model, args.tokenizer).encode(text)), "log"
     return from_workload(args), args.workload
+
+
+@functools.cache
+def _tokenizer(model: str | None, tokenizer: str | None):
+    from chunkserve.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(model), tokenizer)
 
 
 def run_sim(args: argparse.Namespace, engine_args: EngineArgs) -> None:
@@ -77,7 +89,7 @@ def _plain(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _search_rate(args: argparse.Namespace, engine_args: EngineArgs, profile: StepTimeProfile) -> None:
-    if args.trace or args.from_result:
+    if args.trace or args.from_result or args.from_log:
         raise InvalidRequestError("--search-rate varies a workload's Poisson rate: give --workload flags, not a trace")
     if args.workload == "interference":
         raise InvalidRequestError("--search-rate needs a workload with Poisson arrivals (not interference)")
@@ -150,7 +162,8 @@ def _described(engine_args: EngineArgs, source: str) -> dict[str, Any]:
     config = load_model_config(model)
     host = machine()
     provenance = {
-        "cpu": f"{host.get('cpu')} (family {host.get('cpu_family')}, model {host.get('cpu_model')})", "model": os.path.basename(model.path), "architecture": config.architecture,
+        "cpu": f"{host.get('cpu')} (family {host.get('cpu_family')}, model {host.get('cpu_model')})",
+        "model": os.path.basename(model.path), "architecture": config.architecture,
         "dtype": engine_args.dtype, "op_backend": engine_args.op_backend,
         "tensor_parallel_size": engine_args.tensor_parallel_size,
         "pipeline_parallel_size": engine_args.pipeline_parallel_size, "commit": host.get("commit"), "source": source,

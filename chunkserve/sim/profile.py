@@ -18,9 +18,9 @@ model alone cannot say:
 The file is JSON (`format` 1), written by `chunkserve profile`; a profile from another device
 needs only `coefficients` (seconds per unit of each term: a constant, per prefill row, per
 decode row, per prefill (query, key) pair, per decode context token, per draft row, per encoder
-row), the rest defaulting to none (`residuals` [1.0]), so a vLLM or SGLang step log refitted to
-these terms, or BLIS's beta coefficients (constant, prefill rows, decode rows), can be imported
-by hand. docs/SIMULATOR.md documents the fields.
+row, per step with prompt rows), the rest defaulting to none (`residuals` [1.0]), so a vLLM or
+SGLang step log refitted to these terms, or BLIS's beta coefficients (constant, prefill rows,
+decode rows), can be imported by hand. docs/SIMULATOR.md documents the fields.
 """
 
 from __future__ import annotations

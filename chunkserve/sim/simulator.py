@@ -84,7 +84,8 @@ def simulate(requests: list[SimRequest], engine_args: EngineArgs, profile: StepT
              replay: list[dict[str, Any]] | None = None, start_time: float = 0.0, record_steps: bool = False,
              on_finished: Callable[[], None] | None = None) -> SimRun:
     """Serve `requests` on `replicas` simulated engines of `engine_args`, steps timed by
-    `profile` (residuals drawn by `engine_args.seed`, the run's one seed) or, with `replay`, by a recorded run's step records
+    `profile` (residuals drawn by `engine_args.seed`, the run's one seed) or, with `replay`, by a
+    recorded run's step records
     (one replica; its clock starts at `start_time`, the recorded run's first step)."""
     check_simulable(engine_args)
     if (profile is None) == (replay is None):

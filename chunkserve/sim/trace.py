@@ -14,14 +14,18 @@ A trace line is a JSON object:
      "after": 3}                      # optional: index of an earlier line; arrival counts from its end
 
 Prompts given by length are made of token ids that depend only on the line (and its prefix and
-session), so the prefix cache sees exactly the sharing the trace describes.
+session), so the prefix cache sees exactly the sharing the trace describes. A server's request
+log (`--enable-log-requests`) converts too (`from_request_log`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import re
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -90,8 +94,8 @@ def request_of_line(line: dict[str, Any], number: int, sessions: dict[str, list[
         if session is not None:
             sessions[session] = prompt
     return SimRequest(tuple(prompt), _positive_int(line, "output_len", number), float(arrival),
-                      str(line.get("kind", "normal")), _positive_int(line, "n", number, 1), int(line.get("priority", 0)),
-                      after)
+                      str(line.get("kind", "normal")), _positive_int(line, "n", number, 1),
+                      int(line.get("priority", 0)), after)
 
 
 def read_request_trace(path: str, vocab_size: int = SYNTHETIC_VOCAB) -> list[SimRequest]:
@@ -144,3 +148,43 @@ def from_bench_result(path: str) -> list[SimRequest]:
             config[key] = float(value)
     return from_workload(argparse.Namespace(**config))
 
+
+
+# `chunkserve serve --enable-log-requests` (entrypoints/server/serving.py): one line per request as it arrives
+_LOGGED = re.compile(r"request (?P<id>\S+): arrived (?P<time>[0-9.]+), "
+                     r"prompts (?P<prompts>\[.*\]), params (?P<params>.*)$")
+
+
+def from_request_log(path: str, tokenize: Callable[[str], list[int]] | None = None) -> list[SimRequest]:
+    """The requests a server logged with --enable-log-requests (without --max-log-len: a cut
+    prompt's length is unknown), arrivals from the first one's. Each runs to its max_tokens,
+    since the log cannot say where it stopped; text prompts need `tokenize` (the model's
+    tokenizer); a prompt's images are not simulated (its token ids are)."""
+    requests: list[SimRequest] = []
+    first = None
+    try:
+        with open(path, errors="replace") as f:
+            lines = [(number, _LOGGED.search(text)) for number, text in enumerate(f, 1)]
+    except OSError as error:
+        raise InvalidRequestError(f"request log {path!r} could not be read: {error}") from None
+    for number, found in lines:
+        if found is None:
+            continue
+        where = f"{path}:{number}"
+        max_tokens = re.search(r"\bmax_tokens=(\d+)", found["params"])
+        if max_tokens is None:
+            raise InvalidRequestError(f"{where}: the request has no max_tokens, so its output length is unknown")
+        n = re.search(r"\bn=(\d+)", found["params"])
+        arrival = float(found["time"])
+        first = arrival if first is None else first
+        for prompt in ast.literal_eval(found["prompts"]):
+            if isinstance(prompt, dict):
+                prompt = prompt["token_ids"]
+            if isinstance(prompt, str):
+                if tokenize is None:
+                    raise InvalidRequestError(f"{where}: a text prompt needs the model's tokenizer")
+                prompt = tokenize(prompt)
+            requests.append(SimRequest(tuple(prompt), int(max_tokens[1]), arrival - first, n=int(n[1]) if n else 1))
+    if not requests:
+        raise InvalidRequestError(f"request log {path!r} has no request lines (serve with --enable-log-requests)")
+    return requests

@@ -26,7 +26,7 @@ def known_predictor(constant_ms: float, ms_per_row: float) -> StepTimePredictor:
     """A step-time model with given coefficients: `constant_ms` + `ms_per_row` per row."""
     predictor = StepTimePredictor()
     per_1k_rows = ms_per_row  # seconds per 1k rows = ms per row
-    predictor.coefficients = np.array([constant_ms / 1e3, per_1k_rows, per_1k_rows, 0.0, 0.0, 0.0, 0.0])
+    predictor.coefficients = np.array([constant_ms / 1e3, per_1k_rows, per_1k_rows, 0.0, 0.0, 0.0, 0.0, 0.0])
     return predictor
 
 

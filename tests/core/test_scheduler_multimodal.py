@@ -241,7 +241,7 @@ def test_the_step_time_model_learns_the_encoder_and_the_slo_budget_charges_it():
     assert predictor.predict(StepShape().plus_encoder(100)) == pytest.approx(0.002 + 0.005, rel=0.05)
 
     predictor = StepTimePredictor()
-    predictor.coefficients = np.array([0.001, 0.01, 0.01, 0.0, 0.0, 0.0, 0.05])  # s per 1k rows; 50 us per embed
+    predictor.coefficients = np.array([0.001, 0.01, 0.01, 0.0, 0.0, 0.0, 0.05, 0.0])  # s per 1k rows; 50 us per embed
     scheduler = mm_scheduler(max_num_batched_tokens=128, tbt_slo_ms=2.0, predictor=predictor)
     runner = EncoderRunner()
     scheduler.add_request(image_request("img", 100, [("cat", 40, 16)], max_tokens=2))
@@ -266,7 +266,7 @@ def test_the_ttft_slo_counts_the_images_a_prompt_still_has_to_encode():
     """10 ms + 1 ms per row: the image prompt's 80 rows make its 100 ms deadline, its 60 encoder rows
     (1 ms each) do not, so the text prompt that arrived after it goes first."""
     predictor = StepTimePredictor()
-    predictor.coefficients = np.array([0.01, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    predictor.coefficients = np.array([0.01, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0])
     scheduler = mm_scheduler(max_num_batched_tokens=32, predictor=predictor, clock=lambda: 0.005, ttft_slo_ms=100,
                              max_tokens_per_mm_item=64)
     scheduler.add_request(image_request("img", 80, [("cat", 10, 60)]))

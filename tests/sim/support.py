@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 from chunkserve.config.engine import EngineArgs
@@ -12,6 +13,12 @@ from chunkserve.sim.profile import StepTimeProfile
 PROFILE = StepTimeProfile({"constant": 0.009, "prefill_rows": 8e-4, "decode_rows": 2e-3, "prefill_attention": 6e-7,
                            "decode_attention": 1.8e-6}, residuals=(1.0, 0.9, 1.3, 1.1, 0.95, 2.0, 1.0, 1.05),
                           step_gap_s=0.001, request_latency_s=0.05, output_latency_s=0.01)
+
+
+def fields_that_differ(a: object, b: object) -> dict:
+    """A dataclass's fields whose values differ between `a` and `b`: (a's, b's)."""
+    return {f.name: (getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+            if getattr(a, f.name) != getattr(b, f.name)}
 
 
 def engine_args(**flags) -> EngineArgs:

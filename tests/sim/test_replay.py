@@ -11,6 +11,7 @@ from chunkserve.engine.messages import EngineCoreRequest
 from chunkserve.sampling_params import SamplingParams
 from chunkserve.sim.simulator import simulate
 from chunkserve.sim.trace import SimRequest
+from tests.sim.support import fields_that_differ
 
 # (step after which it arrives, prompt length, output tokens, shares the first request's prompt)
 ARRIVALS = [(0, 150, 12, False), (0, 40, 30, False), (0, 90, 20, False), (3, 200, 8, False), (3, 30, 25, True),
@@ -20,12 +21,6 @@ ARRIVALS = [(0, 150, 12, False), (0, 40, 30, False), (0, 90, 20, False), (3, 200
 def prompt_of(index: int, length: int, shared: bool) -> list[int]:
     base = [1000 + (7 * i) % 4000 for i in range(150)] if shared else []
     return (base + [2000 + (index * 131 + 17 * i) % 9000 for i in range(length)])[: max(length, len(base))]
-
-
-def diff(a, b) -> dict:
-    import dataclasses
-    return {f.name: (getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
-            if getattr(a, f.name) != getattr(b, f.name)}
 
 
 def test_a_replay_of_a_real_run_makes_every_scheduling_decision_the_real_engine_made(tiny_gguf):
@@ -61,7 +56,7 @@ def test_a_replay_of_a_real_run_makes_every_scheduling_decision_the_real_engine_
     timed = [SimRequest(r.prompt_token_ids, r.output_len, t - start) for r, t in zip(requests, arrival_times)]
     replay = simulate(timed, args, replay=records, start_time=start, record_steps=True)
     simulated = replay.replicas[0].executor.steps
-    first = next((i for i, (a, b) in enumerate(zip(simulated, real_steps)) if a != b), None)
-    assert first is None and len(simulated) == len(real_steps), (first, len(simulated), len(real_steps),
-                                                                 first is not None and diff(simulated[first], real_steps[first]))
+    assert len(simulated) == len(real_steps)
+    for index, (got, expected) in enumerate(zip(simulated, real_steps)):
+        assert got == expected, (index, fields_that_differ(got, expected))
     assert [r.completion_tokens for r in replay.results] == [a[2] for a in ARRIVALS]

@@ -52,7 +52,8 @@ def test_every_request_ends_at_its_output_length_and_the_latencies_are_where_the
     assert all(r.ok and len(r.token_times) == r.output_len for r in run.results)
     records = run.step_records()
     first_step = records[0]["start_time"]
-    assert first_step == pytest.approx(requests[0].arrival + PROFILE.request_latency_s)  # (idle until it reaches the core)
+    # the engine idles until the first request reaches it
+    assert first_step == pytest.approx(requests[0].arrival + PROFILE.request_latency_s)
     first_token = run.results[0].token_times[0]
     assert first_token == pytest.approx(first_step + records[0]["duration_s"] + PROFILE.output_latency_s)
 
@@ -61,7 +62,8 @@ def test_the_steps_are_the_engines_mixed_batches_within_the_budget():
     run = simulate(from_workload(workload(workload="interference")), engine_args(max_num_batched_tokens=128), PROFILE)
     records = run.step_records()
     assert max(r["num_prefill_tokens"] + r["num_decode_tokens"] for r in records) <= 128
-    assert any(r["num_prefill_tokens"] and r["num_decode_tokens"] for r in records)  # the long prompts' chunks beside decodes
+    # the long prompts' chunks beside the streams' decodes
+    assert any(r["num_prefill_tokens"] and r["num_decode_tokens"] for r in records)
     assert all(r["duration_s"] > 0 and r["shape"] for r in records)
 
 
@@ -82,12 +84,14 @@ def test_a_chats_next_turn_arrives_its_think_time_after_the_last_turn_ended():
 
 
 def test_the_prefix_router_keeps_each_system_prompt_on_one_replica_and_round_robin_spreads_it():
-    requests = from_workload(workload(workload="prefix", num_prefixes=2, request_rate=4.0, num_prompts=16, input_len=16))
+    requests = from_workload(workload(workload="prefix", num_prefixes=2, request_rate=4.0, num_prompts=16,
+                                      input_len=16))
     rates = {}
     for router in ("prefix", "round-robin"):
         run = simulate(requests, engine_args(), PROFILE, replicas=4, router=router)
         rates[router] = summary_of(run)["prefix_cache_hit_rate"]
-        assert {r.ok for r in run.results} == {True} and {line["replica"] for line in run.step_records()} <= {0, 1, 2, 3}
+        assert {r.ok for r in run.results} == {True}
+        assert {line["replica"] for line in run.step_records()} <= {0, 1, 2, 3}
     assert rates["prefix"] > rates["round-robin"]
 
 

@@ -10,7 +10,14 @@ import pytest
 from chunkserve.bench.serve import config_of, write_json
 from chunkserve.bench.workloads import build_workload
 from chunkserve.errors import InvalidRequestError
-from chunkserve.sim.trace import SimRequest, from_bench_result, from_workload, read_request_trace, write_request_trace
+from chunkserve.sim.trace import (
+    SimRequest,
+    from_bench_result,
+    from_request_log,
+    from_workload,
+    read_request_trace,
+    write_request_trace,
+)
 from tests.sim.support import workload
 
 
@@ -71,3 +78,25 @@ def test_a_bench_result_gives_back_the_workload_it_ran(tmp_path):
     write_json({"config": {**config_of(args), "dataset_name": "sharegpt"}}, path)
     with pytest.raises(InvalidRequestError, match="data set"):
         from_bench_result(path)
+
+
+def test_a_servers_request_log_is_the_requests_it_received(tmp_path, caplog):
+    """Lines written by the server's own --enable-log-requests logger, read back."""
+    import logging
+    from types import SimpleNamespace
+
+    from chunkserve.entrypoints.server.serving import Serving
+    from chunkserve.sampling_params import SamplingParams
+
+    serving = SimpleNamespace(options=SimpleNamespace(max_log_len=None))
+    with caplog.at_level(logging.INFO, logger="chunkserve.entrypoints.server.serving"):
+        Serving._log_request(serving, "cmpl-1", [[5, 6, 7], [8, 9]], SamplingParams(max_tokens=12, n=2))
+        Serving._log_request(serving, "cmpl-2", ["hello there"], SamplingParams(max_tokens=3))
+    log = tmp_path / "server.log"
+    log.write_text("INFO uvicorn: started\n" + "".join(f"INFO {r.name}: {r.getMessage()}\n" for r in caplog.records))
+    requests = from_request_log(str(log), tokenize=lambda text: [len(word) for word in text.split()])
+    assert [(r.prompt_token_ids, r.output_len, r.n) for r in requests] == [((5, 6, 7), 12, 2), ((8, 9), 12, 2),
+                                                                           ((5, 5), 3, 1)]
+    assert requests[0].arrival == 0.0 and 0.0 <= requests[2].arrival < 5.0
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        from_request_log(str(log))

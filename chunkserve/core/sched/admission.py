@@ -48,7 +48,8 @@ class AdmissionPolicy:
 
     def may_leave_partial(self, request: Request, running: list[Request], step: StepBuilder) -> bool:
         """Whether admitting `request` with an unfinished prompt keeps within the limits on
-        prompts left unfinished at the end of the step (all, and long ones)."""
+        prompts left unfinished at the end of the step (all, and long ones). `running`: the
+        running requests (those computing their prompts are enough)."""
         partial = long_partial = 0
         for other in running:
             computed = other.num_computed_tokens + step.num_tokens_of(other.request_id)

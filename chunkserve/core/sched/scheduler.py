@@ -358,6 +358,7 @@ class Scheduler:
         waiting = (r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS and self._may_run(r)
                    and self.grammars.is_ready(r.request_id))
         admitting = True
+        prompts = [r for r in self.running if not r.is_decoding]  # what an admission is checked against
         for request in self.admission.order(in_progress, waiting, step.now):
             if step.is_taken(request.request_id):  # preempted for an earlier one: it waits
                 continue
@@ -367,14 +368,17 @@ class Scheduler:
                 if plan.num_tokens > 0:
                     self._schedule_running(request, Chunk(plan.num_tokens, chunk.prefill_wait_guard), step, plan=plan)
             elif admitting:
-                admitting = self._admit(request, step) != Admission.STOP
+                admission = self._admit(request, step, [r for r in prompts if r.status == RequestStatus.RUNNING])
+                admitting = admission != Admission.STOP
+                if admission == Admission.ADMITTED:
+                    prompts.append(request)
 
-    def _admit(self, request: Request, step: StepBuilder) -> Admission:
-        """Admit a waiting request if it fits."""
+    def _admit(self, request: Request, step: StepBuilder, prompts: list[Request]) -> Admission:
+        """Admit a waiting request if it fits (`prompts`: the running requests computing their prompts)."""
         if len(self.running) + self.remote_kv.num_loading >= self.config.max_num_seqs or step.budget < 1:
             return Admission.STOP  # (requests loading remote KV hold a sequence slot already)
         cached_blocks, num_cached = self.kv.get_computed_blocks(request)
-        if self.kv.next_block_in_flight(request, len(cached_blocks), self.running):
+        if self.kv.next_block_in_flight(request, len(cached_blocks), prompts):
             return Admission.SKIPPED  # another request is computing its next block: it reads it from the cache later
         available = self.kv.num_available_blocks(cached_blocks)
         if request.num_preemptions and any(map(self._may_run, self.running)) and available < self.kv.num_blocks_for(
@@ -398,7 +402,7 @@ class Scheduler:
             return Admission.STOP  # no room in the step (or for its next image, in the encoder's budget or cache)
         chunk = Chunk(plan.num_tokens, chunk.prefill_wait_guard)
         if start + chunk.num_tokens < request.num_tokens and not self.admission.may_leave_partial(
-                request, self.running, step):
+                request, prompts, step):
             return Admission.SKIPPED  # held back by the partial-prefill limits: shorter prompts behind may pass
         if self.kv.allocate_slots(request.request_id, start + chunk.num_tokens, cached_blocks) is None:
             return Admission.STOP  # no preemption to admit new work: wait for blocks to come back

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -108,7 +109,7 @@ class Serving:
             raise InvalidRequestError("a disaggregated request takes one prompt and n = 1 (one bootstrap_room each)",
                                       "prompt")
         if self.options.log_requests:
-            self._log_request(request_id, prompts, params)
+            self._log_request(request_id, prompts, dataclasses.replace(params, n=n))
         samples = [(prompt, sample) for prompt in prompts for sample in dataclasses.replace(params, n=n).samples()]
         request_ids = [f"{request_id}-{index}" if len(samples) > 1 else request_id for index in range(len(samples))]
         if self.metrics is not None and n > 1:
@@ -141,8 +142,9 @@ class Serving:
 
     def _log_request(self, request_id: str, prompts: list[str | TokenIds | MultiModalPrompt],
                      params: SamplingParams) -> None:
-        """--enable-log-requests: what arrived (prompts cut at --max-log-len characters or ids;
-        a prompt with images as its token ids and its images' identifiers)."""
+        """--enable-log-requests: what arrived and when (prompts cut at --max-log-len characters or
+        ids; a prompt with images as its token ids and its images' identifiers). `chunkserve sim
+        --from-log` reads these lines back as a request trace."""
         cut = self.options.max_log_len
         shown: list[Any] = []
         for prompt in prompts:
@@ -151,7 +153,7 @@ class Serving:
                 shown.append({"token_ids": ids, "images": [f.identifier for f in prompt.features]})
             else:
                 shown.append(prompt if cut is None else prompt[:cut])
-        logger.info("request %s: prompts %r, params %s", request_id, shown, params)
+        logger.info("request %s: arrived %.6f, prompts %r, params %s", request_id, time.time(), shown, params)
 
 
 
