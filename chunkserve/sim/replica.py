@@ -63,13 +63,9 @@ class Replica:
         self._order = itertools.count()
         self.results: dict[str, RequestResult] = {}
         self._idle_s = 0.0  # simulated seconds since the last step while requests were unfinished
+        self.load = 0  # requests sent here and not finished: what a least-load router reads
 
     # ----- what a router reads ---------------------------------------------------------------
-
-    @property
-    def load(self) -> int:
-        """Requests sent here and not finished."""
-        return sum(1 for r in self.results.values() if not r.end_time)
 
     def cached_prefix_tokens(self, prompt: tuple[int, ...]) -> int:
         """Prompt tokens this replica's prefix cache holds now (read only)."""
@@ -90,6 +86,7 @@ class Replica:
         core_request = EngineCoreRequest(request_id, list(prompt), params, None, reaches, priority)
         heapq.heappush(self._pending, (reaches, next(self._order), request_id, core_request))
         self.results[request_id] = RequestResult(kind, len(prompt), output_len, arrival)
+        self.load += 1
 
     def next_event(self) -> float | None:
         """When this replica next does something: its next step (now, while it has work) or the
@@ -102,12 +99,11 @@ class Replica:
         """Take in the requests that reached the core, run one step; the ids that finished in it."""
         if not self.core.has_unfinished_requests() and self._pending:
             self.clock.advance_to(self._pending[0][0])
-        added = 0
+        added, finished = 0, []
         while self._pending and self._pending[0][0] <= self.clock.now:
             self.core.add_request(heapq.heappop(self._pending)[3])
             added += 1
         step = self.core.step()
-        finished = []
         if step is not None:
             self._idle_s = 0.0
             seen = self.clock.now + self.latencies.output_s
@@ -121,6 +117,7 @@ class Replica:
                     result.cached_tokens = output.num_cached_tokens
                     result.error = output.error
                     finished.append(output.request_id)
+                    self.load -= 1
             if step.record is not None:
                 self.clock.advance(self.timer.gap_seconds())
         elif self.core.has_unfinished_requests() and not added:  # the engine loop turns while time passes

@@ -83,6 +83,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "kv_events_conformance": (["--smoke", "--model", "{tiny}"], "conformance: ok"),
     # trace and sweep analyses: small files in the formats they read
     "margin_replay": (["{trace}"], "| p99 x level of last 4 (default) |"),
+    "sim_accuracy": (["--smoke", "--out", "{tmp}/sim"], "### Profile: smoke (the same profile twice)"),
     "predictor_accuracy": (["{trace}"], "decode only"),
     "tradeoff_plot": (["{sweep}/summary.json", "-o", "{tmp}/tradeoff.png", "--slo-ms", "100"], "plot: "),
 }

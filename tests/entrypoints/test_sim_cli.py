@@ -80,3 +80,14 @@ def test_a_bad_command_line_exits_2_naming_the_problem(profile_file, tmp_path, c
     with pytest.raises(SystemExit) as exited:
         main(filled)
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_profile_of_synthetic_steps_on_this_machine(tiny_gguf, tmp_path, capsys):
+    """No trace: the engine times a grid of prompt chunks, decode batches and mixes here."""
+    path = str(tmp_path / "here.json")
+    main(["profile", "-o", path, "--model", tiny_gguf, "--dtype", "float32", "--repeats", "1",
+          "--max-num-batched-tokens", "256", "--max-num-seqs", "16", "--kv-cache-memory-gb", "0.25"])
+    assert "written to" in capsys.readouterr().out
+    written = json.load(open(path))
+    assert written["coefficients"]["constant"] > 0 and written["step_gap_s"] == 0.0
+    assert written["provenance"]["source"].startswith("synthetic steps") and written["provenance"]["dtype"] == "float32"

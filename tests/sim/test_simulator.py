@@ -107,3 +107,4 @@ def test_least_load_sends_a_burst_to_every_replica():
 def test_what_cannot_be_simulated_is_refused_by_its_flag(flags, named):
     with pytest.raises(InvalidRequestError, match=named):
         simulate(from_workload(workload(num_prompts=1)), engine_args(**flags), PROFILE)
+

@@ -27,7 +27,8 @@ def distinct_answers(server, body: dict) -> int:
 
 
 # the default mode's count is a report, not a check: the long tier prints it (and BENCHMARKS.md has SmolLM2's)
-@pytest.mark.parametrize("deterministic", [True, pytest.param(False, marks=pytest.mark.slow)],
+@pytest.mark.slow
+@pytest.mark.parametrize("deterministic", [True, False],
                          ids=["deterministic", "default"])
 def test_identical_requests_under_random_load_get_one_answer(tmp_path_factory, tiny_gguf, deterministic):
     flags = [*tiny_server_flags(tiny_gguf), "--dtype", "auto", "--max-num-batched-tokens", "32"]

@@ -163,6 +163,7 @@ def test_two_nodes_through_torchrun_equal_tp1(tmp_path_factory, tiny_dir, expect
                 process.kill()
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_stream_fails_its_requests_and_health_within_seconds(tmp_path_factory, tiny_dir):
     port = master_port()
     before = shm_segments()
