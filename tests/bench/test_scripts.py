@@ -64,7 +64,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     # for real on the tiny model (one server, seconds), determinism too (its deterministic server, a few requests),
     # hostile against the tiny model's server
     "spec_decode": (["--dry-run", "--model", "{tiny}", "--streams", "1", "--requests-per-stream", "1",
-                     "--min-requests", "1", "--check-outputs", "0"], "round 1: vllm-ngram"),
+                     "--min-requests", "1", "--check-outputs", "0"], "round 1: auto"),
     "structured_outputs": (["--dry-run", "--sampler-iterations", "2"], "round 2: chunkserve"),
     "hicache": (["--dry-run"], "workload preemption"),
     "pd_interference": (["--dry-run"], "(c) streams only"),
