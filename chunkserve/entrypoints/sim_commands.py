@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import logging
 import os
 import sys
@@ -177,19 +178,13 @@ def request_latency(profile: StepTimeProfile, engine_args: EngineArgs, result_pa
     TTFTs over the simulated ones (same requests, same flags, no latency), at least 0."""
     differences = []
     for path in result_paths:
-        real = bench_serve_result(path)
+        with open(path) as f:
+            real = json.load(f)
         run = simulate(from_bench_result(path), engine_args, profile)
         simulated = [r.token_times[0] - r.send_time for r in run.results]
         differences += [row["token_times"][0] - row["send_time"] - sim
                         for row, sim in zip(real["requests"], simulated) if row["ok"] and row["token_times"]]
     return max(0.0, float(np.median(differences))) if differences else 0.0
-
-
-def bench_serve_result(path: str) -> dict[str, Any]:
-    import json
-
-    with open(path) as f:
-        return json.load(f)
 
 
 def synthetic_records(engine_args: EngineArgs, repeats: int) -> list[dict[str, Any]]:
