@@ -6,6 +6,7 @@ is written as the server would be started.
     chunkserve profile -o profile.json                         # or by timing synthetic steps here
     chunkserve sim --profile profile.json --workload sharegpt-like --request-rate 2 --max-num-batched-tokens 512
     chunkserve sim --profile profile.json --trace requests.jsonl --replicas 4 --router prefix
+    chunkserve sim --profile profile.json --workload interference --pd 1:1   # a prefill and a decode instance
     chunkserve sim --profile profile.json --from-log server.log   # what a server with --enable-log-requests served
     chunkserve sim --profile profile.json --workload sharegpt-like --search-rate --slo ttft_p90=2000 --slo tbt_p99=300
     chunkserve sim --profile profile.json --sweep benchmarks/engine/sim_accuracy.yaml
@@ -34,7 +35,15 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--from-log", metavar="SERVER.log",
                      help="the requests a server logged with --enable-log-requests (each to its max_tokens)")
     sim.add_argument("--replicas", type=bench_serve.positive_int, default=1, help="engines behind the router")
-    sim.add_argument("--router", choices=ROUTERS, default="round-robin", help="how requests pick a replica")
+    sim.add_argument("--router", choices=ROUTERS, default="round-robin",
+                     help="how requests pick a replica (with --pd: a prefill and a decode instance)")
+    sim.add_argument("--pd", metavar="P:D",
+                     help="prefill/decode disaggregation: P prefill and D decode instances of the engine flags, "
+                          "KV moving between them over the profile's kv_link (or --kv-link-gbps)")
+    sim.add_argument("--kv-link-gbps", type=float, metavar="GBIT/S",
+                     help="with --pd: the KV link's rate (default: the profile's measured kv_link)")
+    sim.add_argument("--kv-link-latency-us", type=float, metavar="US",
+                     help="with --pd: the KV link's one-way latency (default: the profile's, else 0 with --kv-link-gbps)")
     sim.add_argument("--trace-steps", metavar="STEPS.jsonl", help="write every simulated step's record here")
     sim.add_argument("--search-rate", action="store_true",
                      help="find the highest --request-rate meeting every --slo, by bisection")
@@ -59,6 +68,9 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bench-result", action="append", default=[], metavar="RESULT.json",
                         help="`bench serve` results of the traced run: their TTFTs measure the request latency")
     parser.add_argument("--repeats", type=int, default=3, help="synthetic steps: times each shape runs")
+    parser.add_argument("--measure-link", action="store_true",
+                        help="also measure the KV link prefill/decode instances would use here (loopback, the "
+                             "disaggregation connector's transport) for `chunkserve sim --pd`")
     add_cli_args(EngineArgs, parser.add_argument_group("engine (as `chunkserve serve`: the profiled configuration)"))
 
 

@@ -24,7 +24,8 @@ from chunkserve.entrypoints.args import add_cli_args, from_cli_args
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sim.profile import StepTimeProfile, fit_profile, read_trace
 from chunkserve.sim.search import SLO, run_sweep, search_rate
-from chunkserve.sim.simulator import result_json, simulate, write_step_records
+from chunkserve.sim.link import LinkModel, measure_link
+from chunkserve.sim.simulator import parse_pd, result_json, simulate, write_step_records
 from chunkserve.sim.trace import SimRequest, from_bench_result, from_request_log, from_workload, read_request_trace
 
 logger = logging.getLogger(__name__)
@@ -76,13 +77,27 @@ def simulate_requests(args: argparse.Namespace, engine_args: EngineArgs, profile
                       requests: list[SimRequest], workload: str, progress: bool = False) -> dict[str, Any]:
     """One simulated run as a bench result (and its step records, with --trace-steps)."""
     total = sum(r.n for r in requests)
+    pd = parse_pd(args.pd) if args.pd else None
     with tqdm(total=total, file=sys.stderr, unit="req", desc="simulated", disable=not progress) as bar:
         run = simulate(requests, engine_args, profile, args.replicas, args.router,
-                       on_finished=lambda: bar.update(1))
+                       on_finished=lambda: bar.update(1), pd=pd, link=link_of(args, profile) if pd else None)
     if getattr(args, "trace_steps", None):
         write_step_records(run, args.trace_steps)
     config = {**bench_serve.config_of(args), "engine": _plain(dataclasses.asdict(engine_args))}
     return result_json(run, profile, args.label or workload, workload, config, args.slo_ttft_ms, args.slo_tbt_ms)
+
+
+def link_of(args: argparse.Namespace, profile: StepTimeProfile) -> LinkModel | None:
+    """The KV link of a --pd fleet: --kv-link-gbps (and --kv-link-latency-us), else the profile's."""
+    measured = profile.link()
+    if measured is None and args.kv_link_gbps is None:
+        return None
+    changes = {}
+    if args.kv_link_gbps is not None:
+        changes["bytes_per_s"] = args.kv_link_gbps * 1e9 / 8
+    if args.kv_link_latency_us is not None:
+        changes["latency_s"] = args.kv_link_latency_us * 1e-6
+    return dataclasses.replace(measured or LinkModel(1.0), **changes)
 
 
 def _plain(values: dict[str, Any]) -> dict[str, Any]:
@@ -121,9 +136,16 @@ def _run_sweep(args: argparse.Namespace, engine_args: EngineArgs, profile: StepT
     add_cli_args(EngineArgs, serve_parser)
     base = ["--model", engine_args.model] if engine_args.model else []
 
+    fleet_parser = argparse.ArgumentParser("a sweep configuration's fleet flags", add_help=False)
+    fleet_parser.add_argument("--replicas", type=bench_serve.positive_int, default=args.replicas)
+    fleet_parser.add_argument("--router", default=args.router)
+    fleet_parser.add_argument("--pd", default=args.pd)
+
     def simulate_config(serve_flags: list[str], workload: argparse.Namespace, label: str) -> dict[str, Any]:
-        config_args = from_cli_args(EngineArgs, serve_parser.parse_args([*base, *serve_flags]))
-        run_args = argparse.Namespace(**{**vars(args), **vars(workload), "label": label, "trace_steps": None})
+        fleet, engine_flags = fleet_parser.parse_known_args(serve_flags)
+        config_args = from_cli_args(EngineArgs, serve_parser.parse_args([*base, *engine_flags]))
+        run_args = argparse.Namespace(**{**vars(args), **vars(workload), **vars(fleet), "label": label,
+                                         "trace_steps": None})
         return simulate_requests(run_args, config_args, profile, from_workload(run_args), workload.workload)
 
     tables, _ = run_sweep(sweep, simulate_config, log=lambda text: print(f"[sim] {text}", file=sys.stderr))
@@ -143,6 +165,13 @@ def run_profile(args: argparse.Namespace, engine_args: EngineArgs) -> None:
         records = synthetic_records(engine_args, args.repeats)
         source = "synthetic steps (chunkserve profile)"
     profile = fit_profile(records, **_described(engine_args, source))
+    if args.measure_link:
+        from chunkserve.model.loader import load_model_config
+
+        link = measure_link(profile.kv_bytes_per_block, load_model_config(resolve_model(engine_args.model)),
+                            engine_args.dtype, engine_args.block_size)
+        profile = dataclasses.replace(profile, kv_link=dataclasses.asdict(link))
+        print(f"KV link (loopback): {link.describe()}")
     if args.bench_result:
         profile = dataclasses.replace(profile, request_latency_s=request_latency(profile, engine_args,
                                                                                  args.bench_result))

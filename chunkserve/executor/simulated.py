@@ -28,17 +28,34 @@ class StepTimer(Protocol):
         """A synthetic start-up profile step's seconds (the SLO budgets' first fit)."""
 
 
+class SimulatedConnector(Protocol):
+    """A KV connector's worker side without tensors (chunkserve/sim/disagg.py's, over a simulated
+    link): told the step's connector metadata before the step and what it sampled after; each
+    answers the seconds it took the engine thread (its copies of blocks), which the step lasts longer."""
+
+    def before_step(self, metadata: Any, now: float) -> float: ...
+
+    def after_step(self, sampled: dict[str, list[int]], now: float) -> float: ...
+
+    def take_output(self) -> tuple[Any, set[str], set[str]]:
+        """(the connector output for its scheduler side, finished sending, finished receiving)."""
+
+
 class SimulatedExecutor(Executor):
     def __init__(self, model_config: ModelConfig, num_blocks: int, timer: StepTimer | None = None,
-                 clock: VirtualClock | None = None) -> None:
+                 clock: VirtualClock | None = None, connector: SimulatedConnector | None = None) -> None:
         """With `timer`, each step that runs requests moves `clock` (the engine core's) on by
-        the timer's seconds; without, steps take no simulated time."""
+        the timer's seconds; without, steps take no simulated time. `connector`: the worker
+        side of the engine's KV connector (simulated prefill/decode instances)."""
         if (timer is None) != (clock is None):
             raise ValueError("a step timer needs the virtual clock it moves, and a clock a timer")
+        if connector is not None and clock is None:
+            raise ValueError("a simulated connector runs on the virtual clock")
         self.model_config = model_config
         self.num_blocks = num_blocks
         self.timer = timer
         self.clock = clock
+        self.connector = connector
         self._num_tokens: dict[str, int] = {}  # each request's history length, as a worker keeps it
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -58,6 +75,8 @@ class SimulatedExecutor(Executor):
             self._num_tokens.pop(request_id, None)
         for new in scheduler_output.new_requests:
             self._num_tokens[new.request_id] = len(new.prompt_token_ids)
+        if self.connector is not None:
+            self.clock.advance(self.connector.before_step(scheduler_output.kv_connector_metadata, self.clock.now))
         sampled = {}
         for s in scheduler_output.scheduled:
             if s.sample:
@@ -66,7 +85,12 @@ class SimulatedExecutor(Executor):
                 self._num_tokens[s.request_id] = length + 1
         if self.timer is not None and not scheduler_output.is_empty:
             self.clock.advance(self.timer.step_seconds(scheduler_output))
-        return ModelRunnerOutput(sampled)
+        if self.connector is None:
+            return ModelRunnerOutput(sampled)
+        self.clock.advance(self.connector.after_step(sampled, self.clock.now))
+        connector_output, sent, received = self.connector.take_output()
+        return ModelRunnerOutput(sampled, finished_sending=sent, finished_recving=received,
+                                 kv_connector_output=connector_output)
 
     def token_at(self, position: int) -> int:
         """The token a request samples at `position`: in [1, vocab), skipping the low ids

@@ -6,7 +6,8 @@ Routers (the policies SMG and vLLM's router offer, by the names users know):
 - `least-load`: the replica with the fewest unfinished requests.
 - `prefix`: the replica whose prefix cache holds the longest start of the prompt (ties: least
   load), as SMG's cache_aware and Dynamo's KV router aim to.
-A request is routed when it arrives, from the replicas' state at that moment.
+A request is routed when it arrives, from the replicas' state at that moment. Prefill/decode
+pairs (`--pd P:D`): the policy picks a prefill and a decode instance in their pools.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 from chunkserve.bench.client import RequestResult
 from chunkserve.errors import InvalidRequestError
+from chunkserve.sim.disagg import instance_params
 from chunkserve.sim.replica import Replica
 from chunkserve.sim.trace import SimRequest
 
@@ -34,11 +36,20 @@ def route(router: str, replicas: list[Replica], index: int, prompt: tuple[int, .
 
 
 def run_fleet(requests: list[SimRequest], replicas: list[Replica], router: str = "round-robin",
-              start_time: float = 0.0, on_finished: Callable[[], None] | None = None) -> list[RequestResult]:
+              start_time: float = 0.0, on_finished: Callable[[], None] | None = None,
+              prefill: list[Replica] | None = None) -> list[RequestResult]:
     """Serve `requests` (arrivals in seconds from `start_time`) on `replicas`; each request's
-    results in trace order (n samples of a request: n results, one after another)."""
+    results in trace order (n samples of a request: n results, one after another). With
+    `prefill` (prefill instances; `replicas` are then decode instances), each request goes to
+    one of each, paired by a room as `chunkserve router --pd-disaggregation` pairs them, the
+    router's policy choosing within each pool; the client's results are the decode side's."""
     if router not in ROUTERS:
         raise InvalidRequestError(f"--router must be one of {', '.join(ROUTERS)}, got {router!r}")
+    prefill = prefill or []
+    if prefill and any(request.n > 1 for request in requests):
+        raise InvalidRequestError("n above 1 is not supported by a prefill/decode disaggregated deployment (its "
+                                  "server refuses it too): give requests with n 1")
+    everyone = [*prefill, *replicas]
     arrivals: list[tuple[float, int, int]] = []  # (time, order, request index)
     order = itertools.count()
     followers: dict[int, list[int]] = {}
@@ -51,23 +62,32 @@ def run_fleet(requests: list[SimRequest], replicas: list[Replica], router: str =
     samples_left = {index: request.n for index, request in enumerate(requests)}
     routed = 0
     while True:
-        busy = [(when, i) for i, r in enumerate(replicas) if (when := r.next_event()) is not None]
+        busy = [(when, i) for i, r in enumerate(everyone) if (when := r.next_event()) is not None]
         next_step = min(busy) if busy else None
         if arrivals and (next_step is None or arrivals[0][0] <= next_step[0]):
             when, _, index = heapq.heappop(arrivals)
             request = requests[index]
             replica = route(router, replicas, routed, request.prompt_token_ids)
+            params = None
+            if prefill:
+                prefill_index = prefill.index(route(router, prefill, routed, request.prompt_token_ids))
+                params = instance_params(routed, prefill_index)
+                prefill[prefill_index].submit(f"{index}-0", request.prompt_token_ids, 1, when, request.kind,
+                                              request.priority, params)
             routed += 1
             for sample in range(request.n):
                 sample_id = f"{index}-{sample}"
                 replica.submit(sample_id, request.prompt_token_ids, request.output_len, when, request.kind,
-                               request.priority)
+                               request.priority, params)
                 where[sample_id] = (replica, index)
             continue
         if next_step is None:
             break
-        replica = replicas[next_step[1]]
-        for sample_id in replica.advance():
+        replica = everyone[next_step[1]]
+        finished = replica.advance()
+        if replica in prefill:  # its half of a request: the client sees the decode side's
+            continue
+        for sample_id in finished:
             index = where[sample_id][1]
             samples_left[index] -= 1
             if on_finished is not None:
@@ -76,6 +96,10 @@ def run_fleet(requests: list[SimRequest], replicas: list[Replica], router: str =
                 ended = max(replica.results[f"{index}-{s}"].end_time for s in range(requests[index].n))
                 for follower in followers.get(index, ()):
                     heapq.heappush(arrivals, (ended + requests[follower].arrival, next(order), follower))
+    stuck = [r for r in everyone if r.core.has_unfinished_requests()]
+    if stuck:
+        raise RuntimeError(f"the simulation ended with {sum(len(r.core.unfinished_request_ids()) for r in stuck)} "
+                           "request(s) unfinished, waiting for what never came (a KV transfer?)")
     unrouted = [i for i in range(len(requests)) if f"{i}-0" not in where]
     if unrouted:
         raise InvalidRequestError(f"requests {unrouted[:5]} never arrived: their `after` request never ended")

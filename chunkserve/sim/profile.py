@@ -14,6 +14,8 @@ model alone cannot say:
   the same trace, else they count as 0 and the output says so.
 - `kv_bytes_per_block` and `provenance`: what the profile describes (CPU, model, dtype, ops,
   TP/PP, chunkserve commit), printed with every simulated result.
+- `kv_link`: the wire between prefill and decode instances (`--pd P:D`), `bytes_per_s` and
+  `latency_s` (sim/link.py), measured by `chunkserve profile --measure-link`; none: not measured.
 
 The file is JSON (`format` 1), written by `chunkserve profile`; a profile from another device
 needs only `coefficients` (seconds per unit of each term: a constant, per prefill row, per
@@ -34,6 +36,7 @@ import numpy as np
 
 from chunkserve.core.step_predictor import FEATURE_NAMES, FEATURE_SCALE, StepShape, fit_step_times
 from chunkserve.errors import InvalidRequestError
+from chunkserve.sim.link import LinkModel
 
 PROFILE_FORMAT = 1
 
@@ -47,6 +50,7 @@ class StepTimeProfile:
     output_latency_s: float = 0.0
     kv_bytes_per_block: int | None = None
     block_size: int = 16
+    kv_link: dict[str, float] | None = None  # LinkModel's fields
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -62,6 +66,17 @@ class StepTimeProfile:
         for name in ("step_gap_s", "request_latency_s", "output_latency_s"):
             if not getattr(self, name) >= 0:
                 raise InvalidRequestError(f"profile {name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_link is not None:
+            self.link()  # a malformed link is refused when the profile is read, not at --pd
+
+    def link(self) -> LinkModel | None:
+        """The measured KV link between prefill and decode instances (None: not measured)."""
+        if self.kv_link is None:
+            return None
+        try:
+            return LinkModel(**self.kv_link)
+        except TypeError:
+            raise InvalidRequestError(f"profile kv_link must have bytes_per_s and latency_s, got {self.kv_link}") from None
 
     @property
     def scaled_coefficients(self) -> np.ndarray:

@@ -68,6 +68,8 @@ def test_a_profile_from_another_device_needs_only_its_coefficients(tmp_path):
     ({"coefficients": {}, "slowness": 2}, "slowness"),
     ({"format": 7, "coefficients": {}}, "format"),
     ({}, "coefficients"),
+    ({"coefficients": {}, "kv_link": {"rate": 1e9}}, "kv_link"),
+    ({"coefficients": {}, "kv_link": {"bytes_per_s": 1e9, "latency_s": -1}}, "latency_s"),
 ])
 def test_a_malformed_profile_is_refused_naming_the_field(tmp_path, raw, named):
     path = tmp_path / "bad.json"
