@@ -21,7 +21,8 @@ client would move to core 1 only while core 0 is busy, and the decode steps unde
 would pay for them.
 
 Besides (a)-(c), each round runs (c) once more with the streams alone (no long prompts): the
-decode instance's decode-only step time. Both instances of (c) write `--trace-steps`; a decode
+decode instance's decode-only step time. Every server writes `--trace-steps` (in the workdir;
+benchmarks/engine/sim_pd_accuracy.py fits simulator profiles on them); in (c) a decode
 step that overlaps a prefill-instance step computing prompt tokens ran *under prefill load*,
 the others *without*; only steps with exactly `--streams` decode rows and no prompt tokens are
 compared (one batch shape). The instances' /metrics give the KV transfers
@@ -101,7 +102,8 @@ def processes(config: str, args: argparse.Namespace, workdir: str, tag: str) -> 
     kv = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
     if config in ("a", "b"):
         cpus, threads = ("0-1", 2) if config == "a" else ("0", 1)
-        return [Process("server", serve_command(*kv, *BUDGET_FLAGS), cpus, threads, free_port())]
+        server = serve_command(*kv, *BUDGET_FLAGS, "--trace-steps", server_trace(workdir, tag))
+        return [Process("server", server, cpus, threads, free_port())]
     prefill_trace, decode_trace = traces(workdir, tag)
     bootstrap_port, prefill_port, decode_port = free_port(), free_port(), free_port()
     prefill = serve_command(*kv, *BUDGET_FLAGS, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
@@ -112,6 +114,10 @@ def processes(config: str, args: argparse.Namespace, workdir: str, tag: str) -> 
               "--decode", f"http://127.0.0.1:{decode_port}", "--host", "127.0.0.1", "--log-level", "warning"]
     return [Process("prefill", prefill, "0", 1, prefill_port), Process("decode", decode, "1", 1, decode_port),
             Process("router", router, "1", 1, free_port())]
+
+
+def server_trace(workdir: str, tag: str) -> str:
+    return os.path.join(workdir, f"{tag}-server-steps.jsonl")
 
 
 def traces(workdir: str, tag: str) -> tuple[str, str]:
@@ -253,6 +259,8 @@ def run_config(config: str, args: argparse.Namespace, workdir: str, round_index:
         row["decode_steps"] = decode_steps(read_trace(deployment.decode_trace), read_trace(deployment.prefill_trace),
                                            args.streams)
         row["traces"] = {"prefill": deployment.prefill_trace, "decode": deployment.decode_trace}
+    else:
+        row["traces"] = {"server": server_trace(workdir, tag)}
     return row
 
 

@@ -118,17 +118,45 @@ GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=4)
 def gguf_reader(path: str):
-    """Cached: the config, the weights and the fingerprint all read the same file."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    """Cached: the config, the weights and the fingerprint all read the same file (and a test
+    session alternates between a few models)."""
+    reader = _fast_gguf_reader()(path)
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported GGUF architectures: "
                              f"{', '.join(GGUF_ARCHITECTURES)} (Mistral's files are llama)")
     return reader
+
+
+@functools.cache
+def _fast_gguf_reader() -> type:
+    """gguf's GGUFReader, reading its values from a plain ndarray view of the file's memory map
+    instead of the np.memmap itself. The reader makes one array per value it parses, about
+    200,000 for a tokenizer's vocabulary and merges, and each slice of a memmap runs memmap's
+    Python-level __array_finalize__: that was 3/4 of the time to open a GGUF, twice per server
+    start (the frontend and the engine core). The arrays are the same values and dtypes over
+    the same mapping (tests/model/test_gguf.py compares the two readers)."""
+    import gguf
+
+    class MappedGGUFReader(gguf.GGUFReader):
+        def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+            dtype = _numpy_dtype(dtype)
+            count = int(count)
+            array = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return array if order == "I" else array.view(array.dtype.newbyteorder(order))
+
+    return MappedGGUFReader
+
+
+@functools.cache
+def _numpy_dtype(dtype) -> np.dtype:
+    return np.dtype(dtype)
 
 
 def _field(reader, key: str, default=None):

@@ -12,7 +12,7 @@ import torch
 
 from chunkserve.config.model import default_model_path, resolve_model
 from chunkserve.errors import ModelLoadError
-from chunkserve.model.loader import load_model, load_model_config
+from chunkserve.model.loader import gguf_reader, load_model, load_model_config
 from tests.model.gguf_files import write_gguf
 from tests.paged_runner import PagedRunner, reference_logits
 
@@ -106,3 +106,19 @@ def test_unsupported_gguf_architecture_names_the_supported_ones(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="'gemma2'.*llama, qwen2, qwen3"):
         load_model_config(resolve_model(path))
+
+
+def test_the_fast_reader_reads_every_field_and_tensor_as_ggufs_own(tiny_gguf):
+    """gguf_reader parses through a plain view of the memory map (the loader says why): every
+    metadata field (parts, their dtypes, values) and every tensor (type, shape, bytes) is what
+    gguf.GGUFReader reads from the same file."""
+    fast, own = gguf_reader(tiny_gguf), gguf.GGUFReader(tiny_gguf)
+    assert list(fast.fields) == list(own.fields)
+    for key, field in own.fields.items():
+        mine = fast.fields[key]
+        assert (mine.data, mine.types) == (field.data, field.types), key
+        assert [(p.dtype, p.tobytes()) for p in mine.parts] == [(p.dtype, p.tobytes()) for p in field.parts], key
+        assert mine.contents() == field.contents(), key
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data.shape) for t in fast.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist(), t.data.shape) for t in own.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, own.tensors))

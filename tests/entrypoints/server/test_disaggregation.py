@@ -179,44 +179,63 @@ def late_messages(server: Server) -> float:
     return server.metrics().get("chunkserve:kv_transfer_late_messages_total{}", 0.0)
 
 
+def start_pair(tmp_path_factory, model: Model, decode: Server, budget: int, prefill_env: dict | None = None
+               ) -> tuple[Pair, list[Server]]:
+    """A monolithic server and a prefill instance of `budget`, both started (not yet up), paired
+    with `decode`; the pair and its new servers."""
+    flags = ("--max-num-batched-tokens", str(budget))
+    mono = start_instance(tmp_path_factory, model, *flags, name=f"mono{budget}", wait=False)
+    prefill, port = start_prefill(tmp_path_factory, model, f"p{budget}", *flags,
+                                  "--disaggregation-bootstrap-timeout", str(model.timeout_s), env=prefill_env)
+    return Pair(prefill, port, decode, mono), [mono, prefill]
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model):
-    """Budgets 64 and 256: a monolithic server and a prefill instance each, one decode instance and a
-    router per budget; started together (the model loads in parallel). The decode instance and
-    budget 64's servers step with the model's test step delay: the tests that act mid-prefill or
-    mid-decode use them."""
-    servers, routers = [], []
+    """Budget 64: a monolithic server and a prefill instance, a decode instance and a router,
+    started together (the model loads in parallel). The decode and prefill instances step with
+    the model's test step delay: the tests that act mid-prefill or mid-decode use them (the
+    monolithic server, only compared with, steps at full speed)."""
+    servers, router = [], None
     delayed = {TEST_STEP_DELAY_ENV: str(model.step_delay_ms)}
     try:
         decode = start_instance(tmp_path_factory, model, "--disaggregation-mode", "decode", *HEARTBEAT,
                                 "--disaggregation-waiting-timeout", str(model.timeout_s), name="decode",
                                 env=delayed, wait=False)
         servers.append(decode)
-        pairs = {}
-        for budget in (64, 256):
-            flags = ("--max-num-batched-tokens", str(budget))
-            env = delayed if budget == 64 else None
-            mono = start_instance(tmp_path_factory, model, *flags, name=f"mono{budget}", env=env, wait=False)
-            prefill, port = start_prefill(tmp_path_factory, model, f"p{budget}", *flags,
-                                          "--disaggregation-bootstrap-timeout", str(model.timeout_s), env=env)
-            servers += [mono, prefill]
-            pairs[budget] = Pair(prefill, port, decode, mono)
+        pair, started = start_pair(tmp_path_factory, model, decode, 64, prefill_env=delayed)
+        servers += started
         for server in servers:
             wait_until_up(server)
-        for budget, pair in pairs.items():
-            pair.router = start_router(pair.prefill, pair.bootstrap_port, decode, tmp_path_factory, f"router{budget}")
-            routers.append(pair.router)
-        yield pairs
+        pair.router = router = start_router(pair.prefill, pair.bootstrap_port, decode, tmp_path_factory, "router64")
+        yield {64: pair}
     finally:
-        for router in routers:
+        if router is not None:
             stop_router(router)
         for server in servers:
             stop_server(server)
 
 
+@pytest.fixture(scope="module")
+def pair256(tmp_path_factory, model, cluster):
+    """Budget 256's monolithic server and prefill instance, with the cluster's decode instance
+    (its chunks are other chunks: the long tier's equality and layout checks)."""
+    pair, servers = start_pair(tmp_path_factory, model, cluster[64].decode, 256)
+    try:
+        for server in servers:
+            wait_until_up(server)
+        pair.router = start_router(pair.prefill, pair.bootstrap_port, pair.decode, tmp_path_factory, "router256")
+        yield pair
+    finally:
+        if pair.router is not None:
+            stop_router(pair.router)
+        for server in servers:
+            stop_server(server)
+
+
 @pytest.mark.parametrize("budget", [64, pytest.param(256, marks=pytest.mark.slow)])  # 256 in the long tier
-def test_outputs_equal_the_monolithic_server(cluster, budget):
-    pair = cluster[budget]
+def test_outputs_equal_the_monolithic_server(cluster, budget, request):
+    pair = cluster[64] if budget == 64 else request.getfixturevalue("pair256")
     assert_outputs_equal_the_monolithic_server(pair.mono, pair.router.post)
     idle(pair.prefill, pair.decode)
 
@@ -292,7 +311,7 @@ def test_first_token_finishes_take_no_decode_step(cluster):
     (or none shown), the right finish reason, and the decode instance runs no step for the ones its
     engine core decides (EOS, max_tokens); steps are counted once it is idle, when every step it
     ran has been recorded."""
-    pair = cluster[256]
+    pair = cluster[64]
     prompt = prompt_of(50, 50)
     first = httpx.post(pair.mono.base_url + "/generate", headers=HEADERS, timeout=60, json={
         "input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()["text"]
@@ -550,7 +569,7 @@ def small_decode(tmp_path_factory, model, cluster):
                            "--max-model-len", "384", "--max-num-seqs", "8", name="decode-small")
     router = None
     try:
-        pair = cluster[256]
+        pair = cluster[64]
         router = start_router(pair.prefill, pair.bootstrap_port, small, tmp_path_factory, "router-small")
         yield small, router
     finally:
@@ -561,7 +580,7 @@ def small_decode(tmp_path_factory, model, cluster):
 
 def test_a_decode_pool_too_small_for_the_load_makes_requests_wait_and_all_finish(cluster, small_decode):
     small, router = small_decode
-    pair = cluster[256]
+    pair = cluster[64]
     bodies = [{"prompt": prompt_of(100, 700 + i), "max_tokens": 60, "temperature": 0, "ignore_eos": True,
                "logprobs": 1} for i in range(6)]  # 10 blocks each: two fit at once
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -577,14 +596,14 @@ def test_a_request_larger_than_the_decode_pool_is_refused_at_admission(cluster, 
     answer = router.post("/v1/completions", {"prompt": prompt_of(300, 1), "max_tokens": 200})
     assert answer.status_code == 400
     assert "max_model_len" in answer.json()["error"]["message"]
-    idle(small, cluster[256].prefill)
+    idle(small, cluster[64].prefill)
 
 
 @pytest.mark.slow  # its own decode instance: the refusal is checked on every CI run, in the long tier
-def test_a_different_kv_layout_is_refused_at_bootstrap(cluster, model, tmp_path_factory):
+def test_a_different_kv_layout_is_refused_at_bootstrap(pair256, model, tmp_path_factory):
     other = start_instance(tmp_path_factory, model, "--disaggregation-mode", "decode", "--block-size", "32",
                            name="decode-bs32")
-    pair = cluster[256]
+    pair = pair256
     try:
         _check_layout_refusal(pair, other)
     finally:
