@@ -41,6 +41,25 @@ class MultiModalPrompt:
 Prompt = str | list[int] | MultiModalPrompt
 
 
+def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """A request's max_tokens (None: what max_model_len leaves), or an InvalidRequestError when the
+    prompt and its output cannot fit: what the server answers 400 (the simulator refuses alike)."""
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len} "
+            "(prompt and output must fit, with at least one output token)", "prompt"
+        )
+    if max_tokens is None:
+        max_tokens = max_model_len - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_model_len}, which the KV pool can hold)",
+            "max_tokens",
+        )
+    return max_tokens
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Any, source: ModelSource, info: EngineInfo, limits: RequestLimits,
                  disaggregation_mode: str = "null",
@@ -316,19 +335,7 @@ class InputProcessor:
         return token_ids[-(limit if keep == -1 else keep):]
 
     def _resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        limit = self.info.max_model_len
-        if num_prompt_tokens >= limit:
-            raise InvalidRequestError(
-                f"prompt has {num_prompt_tokens} tokens, but max_model_len is {limit} "
-                "(prompt and output must fit, with at least one output token)", "prompt"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt_tokens
-        if num_prompt_tokens + max_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({limit}, which the KV pool can hold)",
-                "max_tokens",
-            )
+        max_tokens = resolve_max_tokens(num_prompt_tokens, params.max_tokens, self.info.max_model_len)
         vocab = self.info.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")

@@ -61,6 +61,20 @@ def run_fleet(requests: list[SimRequest], replicas: list[Replica], router: str =
     where: dict[str, tuple[Replica, int]] = {}  # sample id -> (replica, request index)
     samples_left = {index: request.n for index, request in enumerate(requests)}
     routed = 0
+
+    def ended(sample_ids: list[str], replica: Replica) -> None:
+        """Samples that finished (or were refused): a request whose last sample ended lets the
+        turns that follow it arrive."""
+        for sample_id in sample_ids:
+            index = where[sample_id][1]
+            samples_left[index] -= 1
+            if on_finished is not None:
+                on_finished()
+            if samples_left[index] == 0:
+                end = max(replica.results[f"{index}-{s}"].end_time for s in range(requests[index].n))
+                for follower in followers.get(index, ()):
+                    heapq.heappush(arrivals, (end + requests[follower].arrival, next(order), follower))
+
     while True:
         busy = [(when, i) for i, r in enumerate(everyone) if (when := r.next_event()) is not None]
         next_step = min(busy) if busy else None
@@ -68,34 +82,29 @@ def run_fleet(requests: list[SimRequest], replicas: list[Replica], router: str =
             when, _, index = heapq.heappop(arrivals)
             request = requests[index]
             replica = route(router, replicas, routed, request.prompt_token_ids)
-            params = None
+            params = prefill_replica = None
             if prefill:
-                prefill_index = prefill.index(route(router, prefill, routed, request.prompt_token_ids))
-                params = instance_params(routed, prefill_index)
-                prefill[prefill_index].submit(f"{index}-0", request.prompt_token_ids, 1, when, request.kind,
-                                              request.priority, params)
+                prefill_replica = route(router, prefill, routed, request.prompt_token_ids)
+                params = instance_params(routed, prefill.index(prefill_replica))
             routed += 1
+            refused = []
             for sample in range(request.n):
                 sample_id = f"{index}-{sample}"
-                replica.submit(sample_id, request.prompt_token_ids, request.output_len, when, request.kind,
-                               request.priority, params)
                 where[sample_id] = (replica, index)
+                if not replica.submit(sample_id, request.prompt_token_ids, request.output_len, when, request.kind,
+                                      request.priority, params):
+                    refused.append(sample_id)
+            if prefill_replica is not None and not refused:  # (a refused request: both halves refuse it)
+                prefill_replica.submit(f"{index}-0", request.prompt_token_ids, 1, when, request.kind,
+                                       request.priority, params)
+            ended(refused, replica)
             continue
         if next_step is None:
             break
         replica = everyone[next_step[1]]
         finished = replica.advance()
-        if replica in prefill:  # its half of a request: the client sees the decode side's
-            continue
-        for sample_id in finished:
-            index = where[sample_id][1]
-            samples_left[index] -= 1
-            if on_finished is not None:
-                on_finished()
-            if samples_left[index] == 0:
-                ended = max(replica.results[f"{index}-{s}"].end_time for s in range(requests[index].n))
-                for follower in followers.get(index, ()):
-                    heapq.heappush(arrivals, (ended + requests[follower].arrival, next(order), follower))
+        if replica not in prefill:  # a prefill instance's half of a request: the client sees the decode side's
+            ended(finished, replica)
     stuck = [r for r in everyone if r.core.has_unfinished_requests()]
     if stuck:
         raise RuntimeError(f"the simulation ended with {sum(len(r.core.unfinished_request_ids()) for r in stuck)} "

@@ -21,7 +21,9 @@ from chunkserve.core.kv.kv_cache_manager import hash_block, root_hash
 from chunkserve.core.kv_connector import KVConnectorScheduler
 from chunkserve.core.messages import SchedulerOutput
 from chunkserve.engine.core import EngineCore
+from chunkserve.engine.input_processor import resolve_max_tokens
 from chunkserve.engine.messages import EngineCoreRequest
+from chunkserve.errors import InvalidRequestError
 from chunkserve.executor.simulated import SimulatedConnector, SimulatedExecutor
 from chunkserve.model.config import ModelConfig
 from chunkserve.sampling_params import SamplingParams
@@ -89,14 +91,23 @@ class Replica:
     # ----- the simulation ----------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt: tuple[int, ...], output_len: int, arrival: float, kind: str,
-               priority: int = 0, kv_transfer_params: TransferParams | None = None) -> None:
-        params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+               priority: int = 0, kv_transfer_params: TransferParams | None = None) -> bool:
+        """False when the server would refuse the request (prompt and output over max_model_len,
+        as its frontend checks): the result is then failed with the server's message, answered
+        after the request latency, and the engine never sees it."""
+        result = self.results[request_id] = RequestResult(kind, len(prompt), output_len, arrival)
         reaches = arrival + self.latencies.request_s
+        try:
+            resolve_max_tokens(len(prompt), output_len, self.core.max_model_len)
+        except InvalidRequestError as error:
+            result.end_time, result.error = reaches, f"400: {error}"
+            return False
+        params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
         core_request = EngineCoreRequest(request_id, list(prompt), params, None, reaches, priority,
                                          kv_transfer_params=kv_transfer_params)
         heapq.heappush(self._pending, (reaches, next(self._order), request_id, core_request))
-        self.results[request_id] = RequestResult(kind, len(prompt), output_len, arrival)
         self.load += 1
+        return True
 
     def next_event(self) -> float | None:
         """When this replica next does something: its next step (now, while it has work), the

@@ -68,6 +68,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "structured_outputs": (["--dry-run", "--sampler-iterations", "2"], "round 2: chunkserve"),
     "hicache": (["--dry-run"], "workload preemption"),
     "pd_interference": (["--dry-run"], "(c) streams only"),
+    "sim_pd_accuracy": (["--smoke"], "flags parsed"),
     "shared_host": (["--variant", f"after {REPOSITORY}", "--dry-run"], "after: in "),
     "engine_death": (["--repeat", "1", "--", "--model", "{tiny}"], "exit_code"),
     "determinism": (["--smoke", "--model", "{tiny}"], "| deterministic | temperature 0.8, seed |"),

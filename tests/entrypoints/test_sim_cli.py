@@ -45,6 +45,25 @@ def test_a_simulated_run_writes_a_bench_result_that_bench_plot_reads(profile_fil
     assert os.listdir(tmp_path / "plots")
 
 
+def test_a_bench_result_of_the_traced_run_gives_the_profile_its_request_latency(tmp_path, capsys):
+    """A run served with 50 ms of request latency and 10 ms of output latency (a simulated one,
+    so the truth is known): the profile fitted on its steps and its bench result puts their sum,
+    the TTFT the steps do not show, in request_latency_s."""
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in records_from(PROFILE, np.ones(200), 0.001)))
+    truth = str(tmp_path / "truth.json")
+    main(["profile", str(trace), "-o", truth, "--kv-cache-memory-gb", "1"])
+    served = json.load(open(truth)) | {"request_latency_s": 0.05, "output_latency_s": 0.01}
+    with open(truth, "w") as f:
+        json.dump(served, f)
+    result, steps, fitted = (str(tmp_path / name) for name in ("result.json", "run-steps.jsonl", "fitted.json"))
+    main(["sim", "--profile", truth, "--workload", "sharegpt-like", "--num-prompts", "30", "--request-rate", "2",
+          "--kv-cache-memory-gb", "1", "--result-file", result, "--trace-steps", steps, "--disable-tqdm"])
+    main(["profile", steps, "-o", fitted, "--kv-cache-memory-gb", "1", "--bench-result", result])
+    assert "request latency 60.0 ms" in capsys.readouterr().out
+    assert StepTimeProfile.load(fitted).request_latency_s == pytest.approx(0.06, abs=1e-3)
+
+
 def test_the_rate_search_prints_the_highest_rate_meeting_the_slos(profile_file, tmp_path, capsys):
     out_file = str(tmp_path / "capacity.json")
     main(["sim", "--profile", profile_file, "--workload", "random", "--num-prompts", "40", "--input-len", "128",

@@ -10,7 +10,8 @@ import pytest
 
 from chunkserve.errors import InvalidRequestError
 from chunkserve.sim.simulator import result_json, simulate
-from chunkserve.sim.trace import from_workload
+from chunkserve.sim.link import LinkModel
+from chunkserve.sim.trace import SimRequest, from_workload
 from tests.sim.support import PROFILE, engine_args, workload
 
 
@@ -98,6 +99,22 @@ def test_the_prefix_router_keeps_each_system_prompt_on_one_replica_and_round_rob
 def test_least_load_sends_a_burst_to_every_replica():
     run = simulate(from_workload(workload(num_prompts=8)), engine_args(), PROFILE, replicas=4, router="least-load")
     assert {line["replica"] for line in run.step_records()} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("pd", [None, (1, 1)])
+def test_a_request_the_server_would_refuse_fails_with_its_message_and_the_others_are_served(pd):
+    """Prompt and output over max_model_len: the server answers 400 (its frontend checks), so the
+    simulated client gets that error at once and the engine never sees the request."""
+    fits = SimRequest(tuple(range(2000, 2100)), 8, 0.0)
+    too_long = SimRequest(tuple(range(3000, 3500)), 100, 0.1)
+    run = simulate([fits, too_long, fits], engine_args(max_model_len=512), PROFILE, pd=pd,
+                   link=LinkModel(1e9) if pd else None)
+    assert [r.ok for r in run.results] == [True, False, True]
+    refused = run.results[1]
+    assert refused.error.startswith("400: prompt (500 tokens) + max_tokens (100) = 600 exceeds max_model_len (512")
+    assert refused.end_time == pytest.approx(too_long.arrival + PROFILE.request_latency_s) and not refused.token_times
+    # the engines computed the two 100-token prompts at most, never the refused 500 tokens
+    assert sum(line["num_prefill_tokens"] for line in run.step_records()) <= 200
 
 
 @pytest.mark.parametrize("flags, named", [(dict(pipeline_parallel_size=2, distributed_executor_backend="mp"),
