@@ -39,8 +39,10 @@ def requests_of(args: argparse.Namespace) -> tuple[list[SimRequest], str]:
         raise InvalidRequestError(f"give the requests once, not with {' and '.join(given)}")
     if args.trace:
         return read_request_trace(args.trace), "trace"
-    if args.from_result:
-        return from_bench_result(args.from_result), "result"
+    if args.from_result:  # (named as the result's workload: an interference run gets its interference summary)
+        requests = from_bench_result(args.from_result)
+        with open(args.from_result) as f:
+            return requests, json.load(f).get("workload") or "result"
     if args.from_log:
         return from_request_log(args.from_log, lambda text: _tokenizer(args.model, args.tokenizer).encode(text)), "log"
     return from_workload(args), args.workload

@@ -64,6 +64,19 @@ def test_a_bench_result_of_the_traced_run_gives_the_profile_its_request_latency(
     assert StepTimeProfile.load(fitted).request_latency_s == pytest.approx(0.06, abs=1e-3)
 
 
+def test_a_bench_results_workload_is_simulated_under_its_name(profile_file, tmp_path):
+    """--from-result of an interference run: the simulated result is an interference result too
+    (its summary of the streams during the long prompts included), as the real one was."""
+    first, again = str(tmp_path / "first.json"), str(tmp_path / "again.json")
+    flags = ["--profile", profile_file, "--kv-cache-memory-gb", "1", "--disable-tqdm"]
+    main(["sim", *flags, "--workload", "interference", "--streams", "2", "--long-prompts", "1", "--long-len", "512",
+          "--stream-output-len", "128", "--long-start", "0.2", "--result-file", first])
+    main(["sim", *flags, "--from-result", first, "--result-file", again])
+    rebuilt = json.load(open(again))
+    assert rebuilt["workload"] == "interference" and rebuilt["interference"]["tbt_during_long_ms"]["count"] > 0
+    assert rebuilt["summary"] == json.load(open(first))["summary"]
+
+
 def test_the_rate_search_prints_the_highest_rate_meeting_the_slos(profile_file, tmp_path, capsys):
     out_file = str(tmp_path / "capacity.json")
     main(["sim", "--profile", profile_file, "--workload", "random", "--num-prompts", "40", "--input-len", "128",
