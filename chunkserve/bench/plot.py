@@ -8,6 +8,9 @@ tokens. A figure whose inputs are absent is skipped with a log line.
 With `--figure KIND` it draws one of docs/BENCHMARKS.md's headline figures instead, from a
 compact result file (docs/data/*.json, or the `figure_data.json` of a sweep; figure_data.py),
 into the PNG that `-o` names: summary_figures.py.
+
+With `--html OUT.html` it writes the dashboard's page (the server's /dashboard) with a result and
+its step trace in it: the run's steps, as they would have looked live, in one file.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from chunkserve.bench import figure_data
+from chunkserve.bench.dashboard_page import page_html, page_steps
 from chunkserve.bench.metrics import gaps
 from chunkserve.bench.summary_figures import FIGURES, draw, ratio_table
 
@@ -45,8 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(docs/data/*.json, a sweep's figure_data.json) into the PNG -o names")
     parser.add_argument("--trace", nargs="+", action="extend", default=[], metavar="TRACE.jsonl",
                         help="step traces of `chunkserve serve --trace-steps`; each is labelled by its file stem")
-    parser.add_argument("-o", "--out-dir", required=True, metavar="DIR|PNG",
+    parser.add_argument("-o", "--out-dir", metavar="DIR|PNG",
                         help="folder for the PNGs (created if missing); with --figure, the PNG file")
+    parser.add_argument("--html", metavar="OUT.html",
+                        help="also (or only, without -o) write the dashboard's page with the first result and "
+                             "its step trace (the first --trace) in it: one file that opens in any browser")
     parser.add_argument("--clip-to-results", action="store_true",
                         help="keep only the trace steps that ran during one of the given results' runs "
                              "(a sweep's trace also holds its other workloads)")
@@ -58,11 +65,16 @@ def main(args: argparse.Namespace) -> None:
         if args.figure:
             make_summary_figure(args.figure, args.results, args.out_dir)
             return
+        if not args.out_dir and not args.html:
+            raise ValueError("give -o DIR (the PNGs) and/or --html OUT.html (the dashboard page)")
         results = [_load_result(path) for path in args.results]
         traces = _load_traces(args.trace)
         if args.clip_to_results:
             traces = {label: clip_to_runs(steps, results) for label, steps in traces.items()}
-        make_figures(results, traces, args.out_dir)
+        if args.out_dir:
+            make_figures(results, traces, args.out_dir)
+        if args.html:
+            write_dashboard(results[0], next(iter(traces.values()), []), args.html)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -83,12 +95,25 @@ def make_figures(results: list[dict], traces: dict[str, list[dict]], out_dir: st
     return paths
 
 
+def write_dashboard(result: dict, steps: list[dict], path: str) -> str:
+    """The dashboard's page (bench/dashboard_page.py) with `result` and its `steps` in it."""
+    _validate_result(result, "results[0]")
+    engine = (result.get("config") or {}).get("engine") or {}  # (a simulated run's result names its engine)
+    embedded = {"name": f"{result['label']} ({result['workload']})", "result": result, "steps": page_steps(steps),
+                "token_budget": engine.get("max_num_batched_tokens"), "tbt_slo_ms": engine.get("tbt_slo_ms")}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(page_html(embedded))
+    logger.info("wrote %s", path)
+    return path
+
+
 def make_summary_figure(kind: str, paths: list[str], out_path: str) -> str:
     """Draw the headline figure `kind` from one compact result file into `out_path` (a PNG); the
     peers figure also prints its Markdown table, ratios to the file's reference included."""
     if len(paths) != 1:
         raise ValueError(f"--figure {kind} draws one compact result file, got {len(paths)}")
-    if not out_path.endswith(".png"):
+    if not out_path or not out_path.endswith(".png"):
         raise ValueError(f"--figure {kind}: -o names the PNG to write (FILE.png), got {out_path!r}")
     data = figure_data.load(paths[0])
     fig = draw(kind, data, paths[0])

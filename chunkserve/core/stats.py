@@ -98,6 +98,7 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queries_total: int  # prompt tokens of admitted requests (first admissions, not recomputes)
     prefix_cache_hits_total: int  # of those, found there
+    num_cached_blocks: int = 0  # blocks the prefix cache can find by hash, held by requests or free
     kv_tier: KVTierStats | None = None  # the KV connector's tier (disk tier), when it has one
     kv_transfer: KVTransferStats | None = None  # prefill/decode disaggregation's transfers, when disaggregated
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counts, when it is configured

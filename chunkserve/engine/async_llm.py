@@ -67,6 +67,12 @@ DEFAULT_MAX_UNREAD_OUTPUTS = 1024
 StepObserver = Callable[[StepRecord | None, list[RequestOutput], SchedulerStats], None]
 
 
+def client_request_id(core_id: str) -> str:
+    """The caller's id of a request the core knows as `core_id` (the caller's id, '#', a serial
+    number: callers may reuse an id, the core may not)."""
+    return core_id.rsplit("#", 1)[0]
+
+
 class RequestStream:
     """One accepted request's outputs: one after every step that gave it a token, the last
     with `finished` set. Leaving the iteration early, or `abort()`, aborts the request."""
@@ -276,7 +282,7 @@ class AsyncLLM:
                        mode: str) -> tuple[RequestSnapshot | None, BaseException | None]:
         """On the event thread, in order with the steps' outputs: add the frontend's state as it
         stood when the core took the snapshot; a paused request's stream ends here."""
-        request_id = core_id.rsplit("#", 1)[0]
+        request_id = client_request_id(core_id)
         if not self.output_processor.has_request(core_id):  # it finished before the export reached the core
             return None, InvalidRequestError(f"request {request_id!r} finished before it could be exported")
         if error is not None:  # the core's message, naming the request by the caller's id

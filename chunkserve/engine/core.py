@@ -125,7 +125,8 @@ class EngineCore:
         return load_tokenizer(resolve_model(self.config.model), self.config.tokenizer)
 
     def info(self, model_name: str) -> EngineInfo:
-        return EngineInfo(model_name, self.max_model_len, self.model_config.vocab_size, self.executor.cpu_threads())
+        return EngineInfo(model_name, self.max_model_len, self.model_config.vocab_size, self.executor.cpu_threads(),
+                          self.scheduler_config.max_num_batched_tokens)
 
     def _max_tokens_per_image(self) -> int | None:
         """The most placeholder tokens one image may take (the scheduler's encoder budgets and
@@ -373,6 +374,7 @@ class EngineCore:
 
     def _complete_step(self, scheduled: SchedulerOutput, runner_output: ModelRunnerOutput,
                        timing: StepTiming) -> EngineCoreOutputs | None:
+        prompt_chunks = self._prompt_chunks(scheduled)  # (before the step's finished requests are forgotten)
         outputs = self.scheduler.update_from_output(scheduled, runner_output)  # an empty step may report KV progress
         if self.triage.is_active:
             if scheduled.is_empty:  # none of the tested can run now (short of KV, say): search no more
@@ -390,7 +392,7 @@ class EngineCore:
         self.predictor.observe(shape, observed_step_seconds(
             runner_output.rank_stats, self.scheduler_config.max_steps_in_flight, duration))
         stats = self.scheduler.stats()
-        record = self._record(scheduled, timing, duration, stats, runner_output, shape)
+        record = self._record(scheduled, timing, duration, stats, runner_output, shape, prompt_chunks)
         return EngineCoreOutputs(outputs, self.clock.time(), record, stats)
 
     def _void_step(self, scheduled: SchedulerOutput, error: Exception,
@@ -423,8 +425,16 @@ class EngineCore:
         """While the triage searches, only the requests it tests run."""
         self.scheduler.restrict_to(self.triage.tested)
 
+    def _prompt_chunks(self, scheduled: SchedulerOutput) -> tuple[tuple[str, int, int, int], ...]:
+        """(request id, first position, tokens, prompt length) of each row computing a prompt."""
+        requests = self.scheduler.requests
+        return tuple((s.request_id, s.num_computed_tokens, s.num_scheduled_tokens,
+                      requests[s.request_id].num_prompt_tokens)
+                     for s in scheduled.scheduled if not s.is_decode and s.request_id in requests)
+
     def _record(self, scheduled: SchedulerOutput, timing: StepTiming, duration: float, stats: SchedulerStats,
-                runner_output: ModelRunnerOutput, shape: StepShape) -> StepRecord:
+                runner_output: ModelRunnerOutput, shape: StepShape,
+                prompt_chunks: tuple[tuple[str, int, int, int], ...]) -> StepRecord:
         errors = self.predictor.error_quantiles()
         pipelined = self.scheduler_config.max_steps_in_flight > 1
         moved = 0
@@ -465,6 +475,7 @@ class EngineCore:
             else (),
             deterministic=self.config.deterministic,
             shape=shape.counts,
+            prompt_chunks=prompt_chunks,
         )
         self.step_records.append(record)
         self._next_step_id += 1

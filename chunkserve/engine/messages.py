@@ -54,6 +54,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     cpu_threads: dict | None = None  # the compute threads (executor/cpu_threads.py), where this process runs them
+    max_num_batched_tokens: int = 0  # the step's token budget, resolved (/dashboard draws it)
 
 
 # ----- commands (frontend -> core) ----------------------------------------------------------

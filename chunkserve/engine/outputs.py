@@ -115,6 +115,9 @@ class StepRecord:
     # the step-time model's inputs (StepShape: prefill_rows, decode_rows, prefill_attention, decode_attention,
     # draft_rows, encoder_embeds): what `chunkserve profile` fits a step-time profile to
     shape: tuple[int, ...] = ()
+    # each request computing its prompt in the step: (request id, first position, tokens, prompt length), so a
+    # viewer (/dashboard) can show every prompt's progress; a recompute after a preemption runs past its prompt
+    prompt_chunks: tuple[tuple[str, int, int, int], ...] = ()
 
     def to_dict(self) -> dict:
         """One line of a step trace (JSON-ready)."""

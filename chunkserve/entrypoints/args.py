@@ -66,6 +66,10 @@ class ServerArgs:
         None, "enables the admin endpoints (/reset_prefix_cache, /debug/steps, /debug/check), which then need "
               "'Authorization: Bearer KEY'; without it they are off (default: $CHUNKSERVE_ADMIN_API_KEY)"
     )
+    dashboard_without_auth: bool = arg(
+        False, "serve /dashboard's live data (/dashboard/events) without the admin key, for a server only you can "
+               "reach (the page itself is always served; by default its data needs --admin-api-key)"
+    )
     max_waiting_requests: int | None = arg(None, "answer 503 to new requests while this many are waiting")
     max_request_body_bytes: int = arg(16 * 1024 * 1024, "larger request bodies get 413")
     max_prompts_per_request: int = arg(256, "most prompts in one /v1/completions request")

@@ -69,6 +69,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "hicache": (["--dry-run"], "workload preemption"),
     "pd_interference": (["--dry-run"], "(c) streams only"),
     "sim_pd_accuracy": (["--smoke"], "flags parsed"),
+    "dashboard": (["--smoke", "--model", "{tiny_gguf}"], "step_ms_p50: 2 viewers / none"),
     "shared_host": (["--variant", f"after {REPOSITORY}", "--dry-run"], "after: in "),
     "engine_death": (["--repeat", "1", "--", "--model", "{tiny}"], "exit_code"),
     "determinism": (["--smoke", "--model", "{tiny}"], "| deterministic | temperature 0.8, seed |"),

@@ -181,6 +181,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions,
             prefix_cache_queries_total=self.prefix_cache_queries,
             prefix_cache_hits_total=self.prefix_cache_hits,
+            num_cached_blocks=self.kv.pool.num_cached_blocks,
             spec_decode=None if self.drafting.policy is None else self.drafting.policy.stats(),
             **self.encoder.stats(),
             **self.remote_kv.stats(),

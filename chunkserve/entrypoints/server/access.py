@@ -20,6 +20,7 @@ class Access(enum.Enum):
     KEY = "key"  # the API key, when one is set
     ADMIN = "admin"  # the admin key; answered 404 while the server has none
     METRICS = "metrics"  # Prometheus' scrape: open, or the API key's with --protect-metrics
+    DASHBOARD = "dashboard"  # /dashboard's live data: the admin key's, or open with --dashboard-without-auth
 
 
 class _AccessRoute(APIRoute):
@@ -42,23 +43,30 @@ class MetricsRoute(_AccessRoute):
     access = Access.METRICS
 
 
+class DashboardRoute(_AccessRoute):
+    access = Access.DASHBOARD
+
+
 class AccessRouters:
-    """One module's routes, by access class: `open`, `key`, `admin`, `metrics`."""
+    """One module's routes, by access class: `open`, `key`, `admin`, `metrics`, `dashboard`."""
 
     def __init__(self) -> None:
         self.open = APIRouter(route_class=OpenRoute)
         self.key = APIRouter(route_class=KeyRoute)
         self.admin = APIRouter(route_class=AdminRoute)
         self.metrics = APIRouter(route_class=MetricsRoute)
+        self.dashboard = APIRouter(route_class=DashboardRoute)
 
     def routes(self) -> list[_AccessRoute]:
-        return [route for router in (self.open, self.key, self.admin, self.metrics) for route in router.routes]
+        return [route for router in (self.open, self.key, self.admin, self.metrics, self.dashboard)
+                for route in router.routes]
 
 
-def include_routers(app: FastAPI, modules: Iterable[AccessRouters], protect_metrics: bool) -> dict[str, Access]:
+def include_routers(app: FastAPI, modules: Iterable[AccessRouters], protect_metrics: bool,
+                    open_dashboard: bool = False) -> dict[str, Access]:
     """Add every module's routes to `app`; each path's access class (METRICS resolved by
-    `protect_metrics`). A ValueError if the app has an API route without a class, or a path
-    with two classes."""
+    `protect_metrics`, DASHBOARD by `open_dashboard`). A ValueError if the app has an API route
+    without a class, or a path with two classes."""
     access: dict[str, Access] = {}
     for module in modules:
         for route in module.routes():
@@ -69,6 +77,8 @@ def include_routers(app: FastAPI, modules: Iterable[AccessRouters], protect_metr
             declared = route.access
             if declared is Access.METRICS:
                 declared = Access.KEY if protect_metrics else Access.OPEN
+            elif declared is Access.DASHBOARD:
+                declared = Access.OPEN if open_dashboard else Access.ADMIN
             if access.setdefault(route.path, declared) is not declared:
                 raise ValueError(f"{route.path} is declared both {access[route.path].value} and {declared.value}")
     if undeclared := [route.path for route in app.routes if isinstance(route, APIRoute)

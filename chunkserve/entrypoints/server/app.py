@@ -33,8 +33,9 @@ from starlette.exceptions import HTTPException
 from chunkserve.config.engine import EngineArgs
 from chunkserve.engine.async_llm import AsyncLLM
 from chunkserve.entrypoints.args import ServerArgs
-from chunkserve.entrypoints.server import openai_api, sglang_api, vllm_api
+from chunkserve.entrypoints.server import dashboard, openai_api, sglang_api, vllm_api
 from chunkserve.entrypoints.server.access import include_routers
+from chunkserve.entrypoints.server.dashboard_feed import DashboardFeed
 from chunkserve.entrypoints.server.http_protocol import header_timeout_protocol
 from chunkserve.entrypoints.server.metrics import EngineMetrics
 from chunkserve.entrypoints.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -80,8 +81,11 @@ def build_app(engine: AsyncLLM, metrics: EngineMetrics, model_names: list[str], 
     app.state.sglang_serving = SGLangServing(engine, model_names, options, metrics)
     app.state.vllm_serving = VLLMServing(engine, model_names, options, metrics)
     app.state.engine_args, app.state.server_args = engine_args, args
+    app.state.dashboard_feed = feed = DashboardFeed(engine.info.max_num_batched_tokens, engine_args.tbt_slo_ms)
+    engine.observers.append(feed.observe)
     _add_error_handlers(app, RESTART_RETRY_AFTER_S if args.restart_engine_on_failure else None)
-    access = include_routers(app, [openai_api.routers, sglang_api.routers, vllm_api.routers], args.protect_metrics)
+    access = include_routers(app, [openai_api.routers, sglang_api.routers, vllm_api.routers, dashboard.routers],
+                             args.protect_metrics, args.dashboard_without_auth)
     document_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                                   "/generate": GenerateRequest})
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes,
@@ -159,6 +163,7 @@ class _GracefulServer(uvicorn.Server):
         self.grace_s = grace_s
 
     async def shutdown(self, sockets=None) -> None:
+        self.config.app.state.dashboard_feed.close()  # live views end now: they are not requests to wait for
         aborter = asyncio.get_running_loop().call_later(self.grace_s, self.engine.abort_all)
         try:
             await super().shutdown(sockets)

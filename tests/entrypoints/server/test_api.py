@@ -383,7 +383,7 @@ def test_step_trace_file_and_debug_endpoint_agree(tiny_server, client, model_nam
                              "slo_margin", "prefill_wait_guard", "kv_transfer_bytes", "num_draft_tokens",
                              "num_accepted_tokens", "grammar_mask_s", "grammar_compile_s", "num_encoder_inputs",
                              "num_encoder_embeds", "encoder_cache_hits", "encoder_s", "request_ids",
-                             "sampled_request_ids", "ranks", "deterministic", "shape"}
+                             "sampled_request_ids", "ranks", "deterministic", "shape", "prompt_chunks"}
     assert steps[-1]["ranks"] == [] and steps[-1]["request_ids"] == []  # one process, no pipeline
     assert 0 <= steps[-1]["prediction_error_p50"] <= steps[-1]["prediction_error_p90"]
     assert steps[-1]["slo_margin"] >= 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 
 import pytest
@@ -22,16 +23,18 @@ from chunkserve.entrypoints.server.app import build_app
 
 API_KEY = "user-key"
 ADMIN_KEY = "admin-key"
-OPEN = {"/health", "/server_info", "/ping", "/version", "/metrics"}  # what a load balancer or Prometheus polls
+# what a load balancer or Prometheus polls, and the dashboard's page (its data is the admin key's)
+OPEN = {"/health", "/server_info", "/ping", "/version", "/metrics", "/dashboard"}
 ADMIN = {"/reset_prefix_cache", "/flush_cache", "/debug/steps", "/debug/check", "/debug/kv_cache_blocks",
          "/export_request", "/import_request"}
 
 
 def stand_in_engine() -> types.SimpleNamespace:
     """What building the app and the routes below read of AsyncLLM."""
-    info = types.SimpleNamespace(model_name="tiny", max_model_len=128, cpu_threads={"threads": 1})
+    info = types.SimpleNamespace(model_name="tiny", max_model_len=128, cpu_threads={"threads": 1},
+                                 max_num_batched_tokens=64)
     return types.SimpleNamespace(tokenizer=None, info=info, is_running=True, num_unread_aborts=0,
-                                 shutdown=lambda: None)
+                                 shutdown=lambda: None, observers=[])
 
 
 def stand_in_metrics() -> types.SimpleNamespace:
@@ -66,7 +69,7 @@ def test_the_open_and_admin_routes_are_the_polled_and_the_server_wide_ones():
     access = access_of(app_with())
     assert {path for path, declared in access.items() if declared in (Access.OPEN, Access.METRICS)} == OPEN
     assert {path for path, declared in access.items() if declared is Access.ADMIN} == ADMIN
-    assert access["/metrics"] is Access.METRICS
+    assert access["/metrics"] is Access.METRICS and access["/dashboard/events"] is Access.DASHBOARD
     assert {"/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/get_server_info"} <= {
         path for path, declared in access.items() if declared is Access.KEY}
 
@@ -149,3 +152,45 @@ def test_the_allowlist_names_only_real_settings():
     assert set(sglang_api.SHOWN_ENGINE_ARGS) <= {field.name for field in dataclasses.fields(EngineArgs)}
     assert set(sglang_api.SHOWN_SERVER_ARGS) <= {field.name for field in dataclasses.fields(ServerArgs)}
     assert not {"api_key", "admin_api_key"} & set(sglang_api.SHOWN_ENGINE_ARGS + sglang_api.SHOWN_SERVER_ARGS)
+
+
+def first_event(http: TestClient, app: FastAPI, headers: dict | None = None) -> tuple[int, dict | None]:
+    """/dashboard/events' status and, when it streams, its first snapshot (the feed is then closed,
+    which ends the stream)."""
+    with http.stream("GET", "/dashboard/events", headers=headers or {}) as response:
+        if response.status_code != 200:
+            return response.status_code, None
+        assert response.headers["content-type"].startswith("text/event-stream")
+        line = next(line for line in response.iter_lines() if line.startswith("data: "))
+        app.state.dashboard_feed.close()
+        return 200, json.loads(line[6:])
+
+
+def test_the_dashboards_data_needs_the_admin_key_unless_opened_by_flag():
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    app = app_with()
+    with TestClient(app) as http:  # no admin key: like every admin route, not there
+        assert first_event(http, app) == (404, None)
+        assert first_event(http, app, {"Authorization": f"Bearer {API_KEY}"}) == (404, None)
+    app = app_with(admin_api_key=ADMIN_KEY)
+    with TestClient(app) as http:
+        assert first_event(http, app)[0] == 401
+        assert first_event(http, app, {"Authorization": f"Bearer {API_KEY}"})[0] == 401  # the API key opens nothing
+        status, snapshot = first_event(http, app, admin)
+        assert status == 200 and snapshot["token_budget"] == 64 and snapshot["steps"] == []
+        bad = http.get("/dashboard/events", params={"window": 0}, headers=admin)
+        assert bad.status_code == 400 and "window" in bad.json()["error"]["message"]
+    app = app_with(dashboard_without_auth=True)
+    with TestClient(app) as http:
+        assert first_event(http, app)[0] == 200
+
+
+def test_the_dashboard_page_is_open_and_fetches_nothing_from_elsewhere():
+    with TestClient(app_with(admin_api_key=ADMIN_KEY)) as http:
+        page = http.get("/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    html = page.text
+    assert 'id="steps"' in html and "/dashboard/events" in html
+    # no script, style, image or font from another origin: every URL in the page is this server's
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html) and "@import" not in html
+    assert "sessionStorage" in html and "?key=" not in html  # the key is kept in the tab and sent as a header
