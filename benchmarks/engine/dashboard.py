@@ -144,7 +144,7 @@ def cost(args: argparse.Namespace) -> None:
         server.stop()
     host = machine()
     print(f"\nCPU: {host.get('cpu')} (family {host.get('cpu_family')}, model {host.get('cpu_model')}), "
-          f"{host.get('cores')} cores; commit {host.get('commit')}")
+          f"{host.get('cpus')} CPUs; commit {host.get('commit')}")
     print("| viewers | round | decode step p50 (ms) | decode rows | steps | stream TBT p50 (ms) | events read |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
