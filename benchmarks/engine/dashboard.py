@@ -13,7 +13,9 @@
 
     .venv/bin/python -m benchmarks.engine.dashboard --screenshot docs/img/dashboard.png
     .venv/bin/python -m benchmarks.engine.dashboard --cost --rounds 3
-    .venv/bin/python -m benchmarks.engine.dashboard --smoke --model TINY.gguf   # the cost loop, seconds, no browser
+    .venv/bin/python -m benchmarks.engine.dashboard --dry-run --cost --screenshot x.png   # the plan, nothing started
+
+(the live view itself is tested against a server in tests/entrypoints/server/test_dashboard.py)
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import time
 import httpx
 import numpy as np
 
-from benchmarks.support import add_model_flag, add_smoke_flag
-from chunkserve.bench.browser import Browser
+from benchmarks.support import add_model_flag
+from chunkserve.bench.browser import Browser, chromium_path
 from chunkserve.bench.host import machine
 from chunkserve.bench.service import Service, serve_command
 
@@ -161,6 +163,18 @@ def cost(args: argparse.Namespace) -> None:
             json.dump({"machine": host, "args": vars(args), "rounds": rows}, f, indent=1)
 
 
+def plan(args: argparse.Namespace) -> None:
+    server = " ".join(serve_command(*(["--model", args.model] if args.model else []), "--admin-api-key", "***",
+                                    "--max-num-batched-tokens", str(args.budget)))
+    if args.screenshot:
+        print(f"screenshot: {server} --dashboard-without-auth; {STREAMS} streams x {args.stream_tokens} tokens, "
+              f"after {args.lead_s:g} s a {args.long_len}-token prompt; Chromium: {chromium_path() or 'missing'}; "
+              f"-> {args.screenshot}")
+    if args.cost:
+        print(f"cost: {args.rounds} rounds of no viewer and {args.viewers} viewers (alternating), {STREAMS} streams x "
+              f"{args.stream_tokens} tokens each, after a warm-up round; {server}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--screenshot", metavar="PNG", help="save the page during Scenario B here")
@@ -175,15 +189,15 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="the server's log (default: a temp dir)")
     parser.add_argument("--out", help="--cost: the rounds as JSON")
     add_model_flag(parser)
-    add_smoke_flag(parser, "the cost loop for one round of short streams on --model (no browser): does it run")
+    parser.add_argument("--dry-run", action="store_true", help="print what would run (and whether Chromium is "
+                                                               "there for --screenshot); start nothing")
     args = parser.parse_args()
-    args.workdir = args.workdir or tempfile.mkdtemp(prefix="dashboard-bench-")
-    if args.smoke:
-        args.rounds, args.stream_tokens, args.viewers = 1, 16, 2
-        cost(args)
-        return
     if not (args.screenshot or args.cost):
         parser.error("give --screenshot PNG and/or --cost")
+    if args.dry_run:
+        plan(args)
+        return
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="dashboard-bench-")
     if args.screenshot:
         screenshot(args)
     if args.cost:

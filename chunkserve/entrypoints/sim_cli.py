@@ -44,6 +44,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                      help="with --pd: the KV link's rate (default: the profile's measured kv_link)")
     sim.add_argument("--kv-link-latency-us", type=float, metavar="US",
                      help="with --pd: the KV link's one-way latency (default: the profile's, else 0 with --kv-link-gbps)")
+    sim.add_argument("--draft-acceptance-rate", type=float, metavar="P",
+                     help="with an n-gram --speculative-config: the share of draft tokens that hold (default: the "
+                          "profile's, measured on its run)")
     sim.add_argument("--trace-steps", metavar="STEPS.jsonl", help="write every simulated step's record here")
     sim.add_argument("--search-rate", action="store_true",
                      help="find the highest --request-rate meeting every --slo, by bisection")

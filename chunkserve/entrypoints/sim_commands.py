@@ -82,7 +82,8 @@ def simulate_requests(args: argparse.Namespace, engine_args: EngineArgs, profile
     pd = parse_pd(args.pd) if args.pd else None
     with tqdm(total=total, file=sys.stderr, unit="req", desc="simulated", disable=not progress) as bar:
         run = simulate(requests, engine_args, profile, args.replicas, args.router,
-                       on_finished=lambda: bar.update(1), pd=pd, link=link_of(args, profile) if pd else None)
+                       on_finished=lambda: bar.update(1), pd=pd, link=link_of(args, profile) if pd else None,
+                       draft_acceptance_rate=getattr(args, "draft_acceptance_rate", None))
     if getattr(args, "trace_steps", None):
         write_step_records(run, args.trace_steps)
     config = {**bench_serve.config_of(args), "engine": _plain(dataclasses.asdict(engine_args))}

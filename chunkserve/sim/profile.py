@@ -14,6 +14,8 @@ model alone cannot say:
   the same trace, else they count as 0 and the output says so.
 - `kv_bytes_per_block` and `provenance`: what the profile describes (CPU, model, dtype, ops,
   TP/PP, chunkserve commit), printed with every simulated result.
+- `draft_acceptance_rate`: accepted over verified draft tokens in the fitted steps (speculative
+  decoding; none without drafts), the rate a simulated n-gram speculation's drafts hold at.
 - `kv_link`: the wire between prefill and decode instances (`--pd P:D`), `bytes_per_s` and
   `latency_s` (sim/link.py), measured by `chunkserve profile --measure-link`; none: not measured.
 
@@ -51,6 +53,7 @@ class StepTimeProfile:
     kv_bytes_per_block: int | None = None
     block_size: int = 16
     kv_link: dict[str, float] | None = None  # LinkModel's fields
+    draft_acceptance_rate: float | None = None  # accepted / verified draft tokens of the fitted run (None: no drafts)
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -68,6 +71,8 @@ class StepTimeProfile:
                 raise InvalidRequestError(f"profile {name} must be >= 0, got {getattr(self, name)}")
         if self.kv_link is not None:
             self.link()  # a malformed link is refused when the profile is read, not at --pd
+        if self.draft_acceptance_rate is not None and not 0.0 <= self.draft_acceptance_rate <= 1.0:
+            raise InvalidRequestError(f"profile draft_acceptance_rate must be in [0, 1], got {self.draft_acceptance_rate}")
 
     def link(self) -> LinkModel | None:
         """The measured KV link between prefill and decode instances (None: not measured)."""
@@ -167,4 +172,7 @@ def fit_profile(records: list[dict[str, Any]], max_gap_s: float = 0.25, **fields
     gaps = [b.start_time - a.start_time - a.duration_s for a, b in zip(steps, steps[1:])]
     busy = [g for g in gaps if 0 <= g < max_gap_s]
     coefficients = {name: float(c) for name, c in zip(FEATURE_NAMES, scaled * FEATURE_SCALE)}
-    return StepTimeProfile(coefficients, residuals, float(np.median(busy)) if busy else 0.0, **fields)
+    drafted = sum(r.get("num_draft_tokens", 0) for r in records)
+    accepted = sum(r.get("num_accepted_tokens", 0) for r in records)
+    return StepTimeProfile(coefficients, residuals, float(np.median(busy)) if busy else 0.0,
+                           draft_acceptance_rate=accepted / drafted if drafted else None, **fields)

@@ -24,7 +24,7 @@ from chunkserve.engine.core import EngineCore
 from chunkserve.engine.input_processor import resolve_max_tokens
 from chunkserve.engine.messages import EngineCoreRequest
 from chunkserve.errors import InvalidRequestError
-from chunkserve.executor.simulated import SimulatedConnector, SimulatedExecutor
+from chunkserve.executor.simulated import SimulatedConnector, SimulatedExecutor, SyntheticText
 from chunkserve.model.config import ModelConfig
 from chunkserve.sampling_params import SamplingParams
 from chunkserve.sim.timing import ProfileTimer, ReplayTimer
@@ -55,18 +55,20 @@ class RecordingExecutor(SimulatedExecutor):
 
 class Replica:
     """`connector` and `kv_connector`: a prefill or decode instance's two sides of the KV
-    connector (sim/disagg.py's worker side on a simulated link; the engine's scheduler side)."""
+    connector (sim/disagg.py's worker side on a simulated link; the engine's scheduler side).
+    `text`: the outputs' text, for speculative decoding (its drafts are verified against it)."""
 
     def __init__(self, engine_args: EngineArgs, model_config: ModelConfig, num_blocks: int,
                  timer: ProfileTimer | ReplayTimer, latencies: Latencies = Latencies(), start_time: float = 0.0,
                  record_steps: bool = False, clock: VirtualClock | None = None,
-                 connector: SimulatedConnector | None = None, kv_connector: KVConnectorScheduler | None = None) -> None:
+                 connector: SimulatedConnector | None = None, kv_connector: KVConnectorScheduler | None = None,
+                 text: SyntheticText | None = None) -> None:
         self.clock = clock or VirtualClock(start_time)
         self.timer = timer
         self.latencies = latencies
         self.connector = connector
         executor_class = RecordingExecutor if record_steps else SimulatedExecutor
-        self.executor = executor_class(model_config, num_blocks, timer, self.clock, connector)
+        self.executor = executor_class(model_config, num_blocks, timer, self.clock, connector, text)
         self.core = EngineCore(engine_args, self.executor, kv_connector=kv_connector, clock=self.clock)
         self._pending: list[tuple[float, int, str, EngineCoreRequest]] = []  # (reaches the core, order, id, request)
         self._order = itertools.count()

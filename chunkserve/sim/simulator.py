@@ -5,9 +5,11 @@ the `--trace-steps` schema.
 What is simulated and what is not: the scheduling is the engine's own (the real `EngineCore`
 on a virtual clock); step times come from a profile of some machine; requests end at their
 trace's output length (as `bench serve` asks: max_tokens with ignore_eos). Not simulated, and
-refused with a message: pipeline parallelism (steps in flight), the disk KV tier and
-speculative decoding (draft acceptance depends on the text). Prefill/decode disaggregation is
-simulated as a fleet (`pd`: sim/disagg.py), not as one instance's --disaggregation-mode.
+refused with a message: pipeline parallelism (steps in flight), the disk KV tier and a draft
+model (its forward is not in a step-time profile). Prefill/decode disaggregation is simulated as
+a fleet (`pd`: sim/disagg.py), not as one instance's --disaggregation-mode. N-gram speculative
+decoding runs the engine's own proposer and draft policy on output text whose drafts hold at the
+profile's (or the caller's) draft acceptance rate (executor/simulated.py's SyntheticText).
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from chunkserve.bench.client import RequestResult
 from chunkserve.bench.metrics import interference_summary, summarize
 from chunkserve.config.engine import EngineArgs
 from chunkserve.config.model import resolve_model
+from chunkserve.config.speculative import SpeculativeConfig
 from chunkserve.core.clock import VirtualClock
 from chunkserve.core.disagg.decode import DecodeConnectorScheduler
 from chunkserve.core.disagg.prefill import PrefillConnectorScheduler
 from chunkserve.errors import InvalidRequestError
+from chunkserve.executor.simulated import SyntheticText
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.loader import TORCH_DTYPES, load_model_config
 from chunkserve.sim.disagg import KVLink, SimDecodeConnector, SimPrefillConnector, prefill_name
@@ -46,7 +50,9 @@ def check_simulable(engine_args: EngineArgs) -> None:
         (engine_args.pipeline_parallel_size > 1, "--pipeline-parallel-size above 1 (steps in flight)"),
         (engine_args.disaggregation_mode != "null", "--disaggregation-mode (a prefill/decode fleet is --pd P:D)"),
         (engine_args.enable_hierarchical_cache, "--enable-hierarchical-cache (the disk KV tier)"),
-        (engine_args.speculative_config is not None, "--speculative-config (draft acceptance depends on the text)"),
+        (engine_args.speculative_config is not None
+         and SpeculativeConfig.parse(engine_args.speculative_config).method == "draft_model", '--speculative-config with method "draft_model" (its forward is not in a step-time '
+         'profile; "ngram" is simulated)'),
     ]
     refused = [flag for bad, flag in refusals if bad]
     if refused:
@@ -121,12 +127,13 @@ def simulate(requests: list[SimRequest], engine_args: EngineArgs, profile: StepT
              replicas: int = 1, router: str = "round-robin",
              replay: list[dict[str, Any]] | None = None, start_time: float = 0.0, record_steps: bool = False,
              on_finished: Callable[[], None] | None = None, pd: tuple[int, int] | None = None,
-             link: LinkModel | None = None) -> SimRun:
+             link: LinkModel | None = None, draft_acceptance_rate: float | None = None) -> SimRun:
     """Serve `requests` on `replicas` simulated engines of `engine_args`, steps timed by
     `profile` (residuals drawn by `engine_args.seed`, the run's one seed) or, with `replay`, by a
     recorded run's step records
     (one replica; its clock starts at `start_time`, the recorded run's first step). `pd` (P, D):
-    P prefill and D decode instances of `engine_args` instead, their KV over `link`."""
+    P prefill and D decode instances of `engine_args` instead, their KV over `link`. With
+    n-gram speculative decoding, drafts hold at `draft_acceptance_rate` (default: the profile's)."""
     check_simulable(engine_args)
     if (profile is None) == (replay is None):
         raise InvalidRequestError("a simulation needs a step-time profile, or a recorded run to replay")
@@ -145,26 +152,37 @@ def simulate(requests: list[SimRequest], engine_args: EngineArgs, profile: StepT
     else:
         blocks = num_kv_blocks(engine_args, model_config, StepTimeProfile({}))
 
+    text = None
+    if engine_args.speculative_config is not None:
+        rate = draft_acceptance_rate if draft_acceptance_rate is not None else (
+            profile.draft_acceptance_rate if profile is not None else None)
+        if rate is None:
+            raise InvalidRequestError("simulating speculative decoding needs the drafts' acceptance rate: "
+                                      "--draft-acceptance-rate, or a profile fitted on a run with drafts")
+        text = SyntheticText(rate, model_config.vocab_size, engine_args.seed)
+
     def timer(index: int) -> ProfileTimer | ReplayTimer:
         return ReplayTimer(replay) if replay is not None else ProfileTimer(profile, (engine_args.seed, index))
 
     fleet, prefill, kv_link = [], [], None
     if pd is None:
         for index in range(replicas):
-            fleet.append(Replica(engine_args, model_config, blocks, timer(index), latencies, start_time, record_steps))
+            fleet.append(Replica(engine_args, model_config, blocks, timer(index), latencies, start_time, record_steps,
+                                 text=text))
     else:
         kv_link = KVLink(link, kv_block_bytes(engine_args, model_config, profile))
         prefill = [_pd_instance("prefill", index, kv_link, engine_args, model_config, blocks, timer(index),
-                                latencies, start_time) for index in range(pd[0])]
+                                latencies, start_time, text) for index in range(pd[0])]
         fleet = [_pd_instance("decode", index, kv_link, engine_args, model_config, blocks, timer(pd[0] + index),
-                              latencies, start_time) for index in range(pd[1])]
+                              latencies, start_time, text) for index in range(pd[1])]
     started = time.perf_counter()  # the simulator's own cost, reported; never part of simulated time
     results = run_fleet(requests, fleet, router, start_time, on_finished, prefill)
     return SimRun(results, fleet, time.perf_counter() - started, prefill, kv_link)
 
 
 def _pd_instance(role: str, index: int, link: KVLink, engine_args: EngineArgs, model_config: ModelConfig,
-                 blocks: int, timer: ProfileTimer, latencies: Latencies, start_time: float) -> Replica:
+                 blocks: int, timer: ProfileTimer, latencies: Latencies, start_time: float,
+                 text: SyntheticText | None) -> Replica:
     """A prefill or decode instance: the engine's scheduler side of the disaggregation connector
     on the replica's clock, sim/disagg.py's worker side on the link. Leases never lapse (no
     instance dies here); the other deadlines are the flags'."""
@@ -179,7 +197,7 @@ def _pd_instance(role: str, index: int, link: KVLink, engine_args: EngineArgs, m
         scheduler_side = DecodeConnectorScheduler(engine_args.block_size, engine_args.disaggregation_waiting_timeout,
                                                   clock=clock.time)
     return Replica(settings, model_config, blocks, timer, latencies, clock=clock, connector=connector,
-                   kv_connector=scheduler_side)
+                   kv_connector=scheduler_side, text=text)
 
 
 def result_json(run: SimRun, profile: StepTimeProfile | None, label: str, workload: str, config: dict[str, Any],

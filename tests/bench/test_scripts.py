@@ -69,7 +69,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "hicache": (["--dry-run"], "workload preemption"),
     "pd_interference": (["--dry-run"], "(c) streams only"),
     "sim_pd_accuracy": (["--smoke"], "flags parsed"),
-    "dashboard": (["--smoke", "--model", "{tiny_gguf}"], "step_ms_p50: 2 viewers / none"),
+    "dashboard": (["--dry-run", "--cost", "--screenshot", "{tmp}/dashboard.png"], "cost: 3 rounds"),
     "shared_host": (["--variant", f"after {REPOSITORY}", "--dry-run"], "after: in "),
     "engine_death": (["--repeat", "1", "--", "--model", "{tiny}"], "exit_code"),
     "determinism": (["--smoke", "--model", "{tiny}"], "| deterministic | temperature 0.8, seed |"),
@@ -131,7 +131,13 @@ def test_help(script, monkeypatch, capsys):
     assert capsys.readouterr().out.startswith("usage:")
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+# smoke runs of scripts whose subject a test of its own checks in the default tier (the GGUF loader, KV events,
+# the parallel engine): the long tier runs them, for the default tier's 15 minutes (CI runs both on every change)
+LONG_TIER_SMOKE = {"gguf_to_hf", "kv_events_conformance", "parallel"}
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in LONG_TIER_SMOKE else s
+                                    for s in SCRIPTS])
 def test_smoke_run(script, smoke_runs):
     done = smoke_runs[script].result()
     output = done.stdout + done.stderr

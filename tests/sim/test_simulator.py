@@ -119,8 +119,9 @@ def test_a_request_the_server_would_refuse_fails_with_its_message_and_the_others
 
 @pytest.mark.parametrize("flags, named", [(dict(pipeline_parallel_size=2, distributed_executor_backend="mp"),
                                            "--pipeline-parallel-size"),
-                                          (dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}'),
-                                           "--speculative-config")])
+                                          (dict(speculative_config='{"method": "draft_model", '
+                                                                   '"num_speculative_tokens": 2, "model": "draft.gguf"}'),
+                                           '"draft_model"')])
 def test_what_cannot_be_simulated_is_refused_by_its_flag(flags, named):
     with pytest.raises(InvalidRequestError, match=named):
         simulate(from_workload(workload(num_prompts=1)), engine_args(**flags), PROFILE)
