@@ -444,6 +444,7 @@ def test_a_corrupted_chunk_aborts_the_request_and_caches_nothing(cluster, model,
         "chunkserve:kv_transfer_bytes_total{}"] - before == 8 * model.block_bytes
 
 
+@pytest.mark.slow  # the long tier (every CI run); every tier fails a request's chunks (the corrupted-chunk test)
 def test_five_percent_failed_chunks_over_200_requests_lose_nothing(cluster, flaky_prefill):
     """Every request ends, answered or with a 503, well within the waiting timeout; both sides
     end idle with every block back; the decode instance counts the failures."""

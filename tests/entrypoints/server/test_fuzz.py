@@ -16,7 +16,7 @@ Properties:
   that field (not coerced: "4" and 4.0 and true are not integers);
 - the hostile requests of the issue do not disturb a bystander stream that runs meanwhile.
 
-The random part (1,300 hypothesis cases under `-m slow`, a quarter of them in the default tier)
+The random part (1,300 hypothesis cases under `-m slow`, an eighth of them in the default tier)
 finds crashes in odd combinations; a value that breaks only one field is rare among them, so two
 grids send each hostile number to each numeric field and each wrong type to each typed field
 (about 1,800 requests, not random, in both tiers). hypothesis runs derandomized (the same cases
@@ -332,9 +332,9 @@ def fuzz_one(http: httpx.Client, sanity: Sanity, path: str, content: bytes) -> N
 # ----- the fuzz tests ----------------------------------------------------------------------------
 
 
-# The default tier runs a quarter of the random cases (the grids and the bystander cases below
+# The default tier runs an eighth of the random cases (the grids and the bystander cases below
 # stay whole); `-m slow` runs them all.
-FUZZ_SHARES = [pytest.param(0.25, id="quarter"), pytest.param(1.0, id="all", marks=pytest.mark.slow)]
+FUZZ_SHARES = [pytest.param(0.125, id="eighth"), pytest.param(1.0, id="all", marks=pytest.mark.slow)]
 
 
 def run_hypothesis(examples: int, share: float, check, **strategies) -> None:
