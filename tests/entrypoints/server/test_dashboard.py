@@ -22,7 +22,7 @@ from chunkserve.bench.browser import Browser, chromium_path
 from chunkserve.engine.core import TEST_STEP_DELAY_ENV
 from tests.entrypoints.server.disaggregation_support import prompt_of
 from tests.entrypoints.server.tiny_server_support import start_tiny_server
-from tests.server_process import ADMIN_API_KEY, API_KEY, Server, stop_server
+from tests.server_process import ADMIN_API_KEY, Server, stop_server
 from tests.tiny_model import STEP_DELAY_MS
 
 LONG_PROMPT = 1500  # 24 chunks at budget 64
