@@ -22,9 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from chunkserve.bench.dashboard_page import STEP_FIELDS
+from chunkserve.bench.metrics import ms_distribution
 from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.async_llm import client_request_id
 from chunkserve.engine.outputs import RequestOutput, StepRecord
@@ -147,8 +146,8 @@ class DashboardFeed:
             "skipped": len(steps) - len(kept),
             "last_step": steps[-1]["step_id"] if steps else after,
             "window_s": window_s,
-            "tbt_ms": _percentiles(gaps),
-            "ttft_ms": _percentiles(first_tokens),
+            "tbt_ms": ms_distribution(gaps),
+            "ttft_ms": ms_distribution(first_tokens),
             "state": None if stats is None else _state(stats),
             "requests": [vars(row) for row in rows[:ROWS_SHOWN]],
             "requests_in_flight": len(rows),
@@ -164,13 +163,6 @@ def _since(timed: deque[tuple[float, float]], start: float) -> list[float]:
             break
         values.append(value)
     return values
-
-
-def _percentiles(seconds: list[float]) -> dict[str, float | int | None]:
-    if not seconds:
-        return {"p50": None, "p99": None, "count": 0}
-    p50, p99 = np.percentile(np.asarray(seconds) * 1000.0, [50, 99])
-    return {"p50": float(p50), "p99": float(p99), "count": len(seconds)}
 
 
 def _state(stats: SchedulerStats) -> dict[str, Any]:
