@@ -29,11 +29,13 @@ def completion(response: httpx.Response) -> tuple[str, list[str], list[float], s
     return choice["text"], logprobs["tokens"], logprobs["token_logprobs"], choice["finish_reason"]
 
 
-def assert_same(mono: httpx.Response, pd: httpx.Response) -> None:
+def assert_same(mono: httpx.Response, pd: httpx.Response, logprob_tolerance: float = 1e-5) -> None:
+    """The same text, tokens and finish reason; logprobs within `logprob_tolerance` (1e-5: the
+    same KV sent over, summed in the same order)."""
     text, tokens, logprobs, reason = completion(mono)
     pd_text, pd_tokens, pd_logprobs, pd_reason = completion(pd)
     assert (pd_text, pd_tokens, pd_reason) == (text, tokens, reason)
-    assert max(abs(a - b) for a, b in zip(logprobs, pd_logprobs)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(logprobs, pd_logprobs)) < logprob_tolerance
 
 
 def idle(*servers: Server, timeout_s: float = 30.0) -> None:

@@ -586,9 +586,12 @@ def test_a_decode_pool_too_small_for_the_load_makes_requests_wait_and_all_finish
                "logprobs": 1} for i in range(6)]  # 10 blocks each: two fit at once
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(lambda b: router.post("/v1/completions", b), bodies))
+    # A request the full pool preempts recomputes its KV on the decode instance in other chunks,
+    # which the default mode sums in another order (docs/DETERMINISM.md): its tokens stay the
+    # monolithic server's, its logprobs within float32's oracle tolerance.
     for body, answer in zip(bodies, answers):
         assert_same(httpx.post(pair.mono.base_url + "/v1/completions", json=body, headers=HEADERS, timeout=180),
-                    answer)
+                    answer, logprob_tolerance=1e-4)
     idle(small, pair.prefill)
 
 
