@@ -43,11 +43,13 @@ keeps plain torch, which is also the reference the tests compare the ops against
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -245,18 +247,41 @@ class CppOps:
         return F.linear(x, weight, bias)
 
 
-def build_directory() -> str | None:
+EXTENSION_NAME = "chunkserve_cpp_ops"
+
+
+def build_directory() -> str:
     """Where the ops are compiled and cached: under the Python environment (its `share/`), so
     that checkouts with their own venvs never rebuild each other's ops, as they did in torch's
-    per-user default (~/.cache/torch_extensions). None, torch's own choice, where
-    TORCH_EXTENSIONS_DIR is set (it wins: benchmarks give each worktree one) or the environment
-    is not writable (a system Python)."""
+    per-user default (~/.cache/torch_extensions). Torch's own choice where TORCH_EXTENSIONS_DIR
+    is set (it wins: benchmarks give each worktree one) or the environment is not writable (a
+    system Python)."""
     if "TORCH_EXTENSIONS_DIR" in os.environ or not os.access(sys.prefix, os.W_OK):
-        return None
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return _get_build_directory(EXTENSION_NAME, verbose=False)
     # per torch version: a build against another torch's headers may not load
     path = os.path.join(sys.prefix, "share", "chunkserve", "torch_extensions", f"torch-{torch.__version__}")
     os.makedirs(path, exist_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def exclusive_build(directory: str) -> Iterator[None]:
+    """Hold the build directory while torch compiles or loads the ops there, and clear a lock
+    file a killed build left behind.
+
+    torch's own lock is a file that a build creates and deletes: a build killed in between
+    (Ctrl-C, a timeout) leaves it, and every later start waits for it forever. Every start holds
+    this `flock` around torch's build, and the kernel releases a flock when its holder dies, so
+    a `lock` file found while holding it belongs to no live build."""
+    with open(os.path.join(directory, "chunkserve.flock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = os.path.join(directory, "lock")
+        if os.path.exists(stale):
+            logger.warning("removing %s, left by a build of the C++ ops that was stopped before it finished", stale)
+            os.remove(stale)
+        yield
 
 
 @functools.cache
@@ -271,9 +296,11 @@ def build_cpp_ops() -> CppOps:
     except ImportError:
         pass
     logger.info("loading the C++ ops (compiled on first use: about a minute)")
-    module = load(name="chunkserve_cpp_ops", sources=_SOURCES, extra_include_paths=[_CSRC],
-                  extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                  build_directory=build_directory())
+    directory = build_directory()
+    with exclusive_build(directory):
+        module = load(name=EXTENSION_NAME, sources=_SOURCES, extra_include_paths=[_CSRC],
+                      extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                      build_directory=directory)
     return CppOps(decode_attention=module.paged_decode_attention, prefill_attention=module.paged_prefill_attention,
                   deterministic_decode_attention=module.deterministic_decode_attention,
                   small_batch_linear=module.small_batch_linear,

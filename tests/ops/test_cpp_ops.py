@@ -4,6 +4,9 @@ between the C++ ops and torch."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -216,3 +219,20 @@ def test_auto_falls_back_to_torch_where_the_ops_cannot_build(monkeypatch, caplog
     assert "could not be built (no C++ compiler); using plain torch" in caplog.text
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         cpp_ops_for("cpp")
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next_start(cpp_ops, tmp_path):
+    """torch's build lock is a plain file: a build killed while it held it made every later start
+    wait forever. The next start clears it (the ops load from the cache: seconds)."""
+    directory = cpp_ops_module.build_directory()
+    lock = os.path.join(directory, "lock")
+    open(lock, "x").close()
+    try:
+        result = subprocess.run([sys.executable, "-c", "from chunkserve.ops.cpp_ops import build_cpp_ops as b; b()"],
+                                capture_output=True, text=True, timeout=240)
+        assert result.returncode == 0, result.stderr
+        assert "left by a build of the C++ ops that was stopped" in result.stderr
+        assert not os.path.exists(lock)
+    finally:
+        if os.path.exists(lock):
+            os.remove(lock)
