@@ -54,6 +54,7 @@ the first steps that have them (until then their cost is unknown and counted as 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -148,6 +149,7 @@ class SlowdownMargin:
         self._quantile = quantile
         self._spread = 1.0  # the quantile over the window, as of the last update
         self._median = 1.0
+        self._errors: tuple[float, float] | None = None  # `errors` as of the last update
 
     def record(self, ratio: float) -> None:
         self._ratios.append(ratio)
@@ -158,15 +160,28 @@ class SlowdownMargin:
             ratios = np.fromiter(self._ratios, dtype=np.float64)
             self._spread = float(np.quantile(ratios, self._quantile))
             self._median = float(np.median(ratios))
+            self._errors = relative_error_quantiles(ratios)
 
     @property
     def value(self) -> float:
-        level = float(np.median(self._recent)) / self._median if self._recent else 1.0
+        # statistics.median: a few values, every step (numpy's median costs ten times more there)
+        level = statistics.median(self._recent) / self._median if self._recent else 1.0
         return max(1.0, self._spread, self._spread * level)
 
     @property
-    def ratios(self) -> np.ndarray:
-        return np.fromiter(self._ratios, dtype=np.float64)
+    def errors(self) -> tuple[float, float] | None:
+        """(p50, p90) of |predicted - actual| / actual over the window as of the last `update`
+        (computed there, not per step: every step record carries them); over the ratios so far
+        before the first update that had any; None before any."""
+        if self._errors is None and self._ratios:
+            return relative_error_quantiles(np.fromiter(self._ratios, dtype=np.float64))
+        return self._errors
+
+
+def relative_error_quantiles(ratios: np.ndarray) -> tuple[float, float]:
+    """(p50, p90) of |predicted - actual| / actual from ratios actual / predicted."""
+    p50, p90 = np.quantile(np.abs(1.0 - 1.0 / ratios), (0.5, 0.9))  # |p - a| / a = |1 - p / a|
+    return float(p50), float(p90)
 
 
 class StepTimePredictor:
@@ -234,13 +249,9 @@ class StepTimePredictor:
         return " + ".join(f"{c * 1e3:.3g} {unit}" for c, unit in zip(self.coefficients, units))
 
     def error_quantiles(self) -> tuple[float, float] | None:
-        """(p50, p90) of |predicted - actual| / actual over recent steps; None before any."""
-        ratios = self._slowdown.ratios
-        if not len(ratios):
-            return None
-        errors = np.abs(1.0 - 1.0 / ratios)  # |p - a| / a = |1 - p / a|
-        p50, p90 = np.quantile(errors, (0.5, 0.9))
-        return float(p50), float(p90)
+        """(p50, p90) of |predicted - actual| / actual over recent steps, as of the last refit;
+        None before any."""
+        return self._slowdown.errors
 
 
 def observed_step_seconds(rank_stats: list[RankStepStats], pipeline_stages: int, wall_s: float) -> float:
