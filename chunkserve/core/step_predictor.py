@@ -164,7 +164,7 @@ class SlowdownMargin:
 
     @property
     def value(self) -> float:
-        # statistics.median: a few values, every step (numpy's median costs ten times more there)
+        # statistics.median: a handful of values, every step, where numpy's per-call overhead dominates
         level = statistics.median(self._recent) / self._median if self._recent else 1.0
         return max(1.0, self._spread, self._spread * level)
 
