@@ -80,6 +80,21 @@ def allowed_cpus() -> tuple[int, ...]:
         return tuple(range(os.cpu_count() or 1))
 
 
+def threads_cpus() -> tuple[int, ...]:
+    """The CPUs this process's threads may run on, together: pinned threads each have one, and
+    the process's own thread only the first of them (`allowed_cpus` reads that thread's)."""
+    cpus: set[int] = set()
+    try:
+        for thread in os.listdir("/proc/self/task"):
+            try:
+                cpus |= os.sched_getaffinity(int(thread))
+            except OSError:  # the thread ended meanwhile
+                pass
+    except (OSError, AttributeError):  # no /proc, not Linux
+        pass
+    return tuple(sorted(cpus)) or allowed_cpus()
+
+
 def cgroup_cpu_limit(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = SELF_CGROUP) -> float | None:
     """CPUs' worth of time this process's cgroup may use (quota / period, the smallest along its
     path: cgroup v2's cpu.max, v1's cpu.cfs_quota_us / cpu.cfs_period_us); None where there is no
@@ -154,7 +169,11 @@ def plan_threads(bind: str, rank_index: int = 0, ranks: int = 1, cpus: tuple[int
             reason += f" shared by {ranks} ranks"
         return ThreadPlan(max(1, usable // ranks), cpus, False, reason)
     mine = setting[rank_index]
-    if outside := sorted(set(mine) - set(cpus)):
+    # A process started for this plan (its environment places one thread on each of these CPUs)
+    # has had its own thread bound to the first of them by libgomp as torch loaded: its affinity
+    # is that one CPU now, and the plan was checked where it was made.
+    started_for_it = environ.get("OMP_PLACES") == places(mine)
+    if not started_for_it and (outside := sorted(set(mine) - set(cpus))):
         raise InvalidRequestError(f"cpu_omp_threads_bind {bind!r} names CPUs {format_cpu_list(tuple(outside))}, "
                                   f"which this process may not use (it may use {format_cpu_list(cpus)})")
     if user_threads and int(user_threads.split(",")[0]) != len(mine):
@@ -172,16 +191,16 @@ def thread_environment(plan: ThreadPlan | None, environ: Mapping[str, str]) -> d
     if plan is not None:
         env["OMP_NUM_THREADS"] = environ.get("OMP_NUM_THREADS") or str(plan.threads)
     if plan is not None and plan.pinned:
-        env["OMP_PLACES"] = places(plan)
+        env["OMP_PLACES"] = places(plan.cpus)
         env["OMP_PROC_BIND"] = "close"
     if not any(name in environ for name in USER_WAIT_SETTINGS):
         env.update(WAIT_SETTING)
     return env
 
 
-def places(plan: ThreadPlan) -> str:
-    """OMP_PLACES with one place per CPU of the plan."""
-    return ",".join(f"{{{cpu}}}" for cpu in plan.cpus)
+def places(cpus: tuple[int, ...]) -> str:
+    """OMP_PLACES with one place per CPU."""
+    return ",".join(f"{{{cpu}}}" for cpu in cpus)
 
 
 def apply_in_process(plan: ThreadPlan) -> None:
@@ -191,7 +210,7 @@ def apply_in_process(plan: ThreadPlan) -> None:
     --disable-frontend-multiprocessing) keeps what its environment had, and is told so."""
     if torch.get_num_threads() != plan.threads:
         torch.set_num_threads(plan.threads)
-    if plan.pinned and os.environ.get("OMP_PLACES") != places(plan):
+    if plan.pinned and os.environ.get("OMP_PLACES") != places(plan.cpus):
         logger.warning("cpu_omp_threads_bind pins the threads of the engine processes chunkserve starts; this "
                        "engine runs in a process it did not start, so its %d threads are not pinned (start it "
                        "under taskset -c %s, or with OMP_PLACES and OMP_PROC_BIND set)", plan.threads,
@@ -200,5 +219,5 @@ def apply_in_process(plan: ThreadPlan) -> None:
 
 def current_threads() -> dict:
     """This process's compute threads as torch runs them: count, allowed CPUs, pinning, waits."""
-    return {"threads": torch.get_num_threads(), "cpus": format_cpu_list(allowed_cpus()),
+    return {"threads": torch.get_num_threads(), "cpus": format_cpu_list(threads_cpus()),
             "pinned": "OMP_PLACES" in os.environ, "wait_policy": wait_policy_of(os.environ)}

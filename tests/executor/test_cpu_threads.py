@@ -87,3 +87,14 @@ def test_the_engine_process_bounds_its_threads_spin_unless_the_user_chose_how_th
 
 def test_cpu_lists_print_as_ranges():
     assert format_cpu_list((0, 1, 2, 5, 7, 8)) == "0-2,5,7-8" and format_cpu_list((3,)) == "3"
+
+
+def test_a_process_started_for_a_cpu_list_keeps_its_plan_though_its_own_thread_is_bound_to_the_first_cpu():
+    """libgomp binds the process's own thread to the first place as torch loads: the engine
+    process that `thread_environment` started for "0-1" may then run only on CPU 0, and its plan
+    is still both CPUs (a list of several CPUs was refused there)."""
+    started_for_it = thread_environment(plan_threads("0-1", cpus=FOUR, environ={}), {})
+    plan = plan_threads("0-1", cpus=(0,), environ=started_for_it)
+    assert (plan.threads, plan.cpus, plan.pinned) == (2, (0, 1), True)
+    with pytest.raises(InvalidRequestError, match="names CPUs 1, which this process may not use"):
+        plan_threads("0-1", cpus=(0,), environ={"OMP_PLACES": "{0}"})  # not started for this list
