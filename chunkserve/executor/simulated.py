@@ -46,6 +46,11 @@ class SimulatedConnector(Protocol):
         """When the next message for it arrives (None: none is on its way): an idle engine wakes then."""
 
 
+def lowest_ordinary_token(vocab_size: int) -> int:
+    """The first token id the simulated outputs use: tokenizers keep their special tokens low."""
+    return min(1000, vocab_size // 2)
+
+
 COPY_PERIOD = 48  # SyntheticText repeats the token this far back (longer than any n-gram the proposer matches)
 
 
@@ -61,7 +66,7 @@ class SyntheticText:
         if not 0.0 <= repeat <= 1.0:
             raise ValueError(f"a repeat probability is in [0, 1], got {repeat}")
         self.repeat = repeat
-        self.low = min(1000, vocab_size // 2)  # (tokenizers keep their special tokens low)
+        self.low = lowest_ordinary_token(vocab_size)
         self.vocab_size = vocab_size
         self.seed = seed
 
@@ -159,5 +164,5 @@ class SimulatedExecutor(Executor):
         """The token a request samples at `position`: in [1, vocab), skipping the low ids
         where tokenizers keep their special tokens."""
         vocab = self.model_config.vocab_size
-        low = min(1000, vocab // 2)
+        low = lowest_ordinary_token(vocab)
         return low + (position * 7919) % (vocab - low)

@@ -51,8 +51,9 @@ def check_simulable(engine_args: EngineArgs) -> None:
         (engine_args.disaggregation_mode != "null", "--disaggregation-mode (a prefill/decode fleet is --pd P:D)"),
         (engine_args.enable_hierarchical_cache, "--enable-hierarchical-cache (the disk KV tier)"),
         (engine_args.speculative_config is not None
-         and SpeculativeConfig.parse(engine_args.speculative_config).method == "draft_model", '--speculative-config with method "draft_model" (its forward is not in a step-time '
-         'profile; "ngram" is simulated)'),
+         and SpeculativeConfig.parse(engine_args.speculative_config).method == "draft_model",
+         '--speculative-config with method "draft_model" (its forward is not in a step-time profile; '
+         '"ngram" is simulated)'),
     ]
     refused = [flag for bad, flag in refusals if bad]
     if refused:
