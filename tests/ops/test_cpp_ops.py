@@ -65,6 +65,19 @@ def test_block_quantized_linear_equals_f_linear_on_the_dequantized_weight(cpp_op
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
+@pytest.mark.parametrize("rows", [1, 8])
+def test_block_quantized_linear_reads_exactly_the_dequantized_weights(cpp_ops, cpu_isa, type_name, rows):
+    """One-hot rows pick single weights out of the product: every nibble or byte value, at every
+    position of a block, must come out as the very float gguf's `dequantize` gives."""
+    generator = torch.Generator().manual_seed(7)
+    blocks, weight = quantized(torch.randn(24, 64, generator=generator) * 3, type_name)
+    one_hot = torch.eye(64)
+    got = torch.cat([cpp_ops.block_quantized_linear(one_hot[start:start + rows], blocks.blocks, blocks.ggml_type, None)
+                     for start in range(0, 64, rows)])
+    assert torch.equal(got, weight.T)
+
+
 def test_block_quantized_linear_names_a_bad_type_or_shape(cpp_ops):
     blocks, _ = quantized(torch.randn(4, 64), "Q4_1")
     with pytest.raises(RuntimeError, match="ggml type 12 is not Q4_0 \\(2\\), Q4_1 \\(3\\) or Q8_0 \\(8\\)"):
