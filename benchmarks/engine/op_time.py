@@ -43,7 +43,7 @@ from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import UsesOps
 from chunkserve.ops.cpp_ops import AttentionKernels
 
-DECODE_ATTENTION, PREFILL_ATTENTION, DECODE_LAYER = "decode attention (C++)", "prefill attention (C++)", "decoder_layer"
+DECODE_ATTENTION, PREFILL_ATTENTION, DECODE_LAYER = "decode attention (C++)", "prefill attention (C++)", "decoder_layers"
 READ_WORK = (DECODE_ATTENTION, f"{DECODE_LAYER} KV")  # work in bytes read; the rest in FLOPs
 
 
@@ -78,8 +78,8 @@ class OpTimer:
                  if callable(getattr(ops, f.name)) and not f.name.startswith("pack_")}
         for name in ("linear", "logits"):
             timed[name] = self._counted_linear(name, timed[name])
-        if "decoder_layer" in timed:
-            timed["decoder_layer"] = self._counted_decoder_layer(timed["decoder_layer"])
+        if "decoder_layers" in timed:
+            timed["decoder_layers"] = self._counted_decoder_layers(timed["decoder_layers"])
         ops = dataclasses.replace(ops, **timed)
         for module in model.modules():
             if isinstance(module, UsesOps):
@@ -95,12 +95,13 @@ class OpTimer:
             return function(x, weight, *rest)
         return wrapper
 
-    def _counted_decoder_layer(self, function: Callable) -> Callable:
-        def wrapper(hidden, residual, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens, *rest):
-            self.work[DECODE_LAYER] += 2 * hidden.shape[0] * self.layer_weights
-            slot_bytes = k_cache.shape[1] * k_cache.shape[2] * k_cache.element_size()
-            self.work[f"{DECODE_LAYER} KV"] += 2 * slot_bytes * int(context_lens.sum())  # K and V, read once
-            return function(hidden, residual, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+    def _counted_decoder_layers(self, function: Callable) -> Callable:
+        def wrapper(hidden, residual, cos, sin, k_caches, v_caches, slot_mapping, block_tables, context_lens, *rest):
+            layers = len(k_caches)
+            self.work[DECODE_LAYER] += 2 * hidden.shape[0] * self.layer_weights * layers
+            slot_bytes = k_caches[0].shape[1] * k_caches[0].shape[2] * k_caches[0].element_size()
+            self.work[f"{DECODE_LAYER} KV"] += 2 * slot_bytes * int(context_lens.sum()) * layers  # K and V, read once
+            return function(hidden, residual, cos, sin, k_caches, v_caches, slot_mapping, block_tables, context_lens,
                             *rest)
         return wrapper
 

@@ -15,6 +15,8 @@ layers, the first stage the embedding and the last the final norm and the LM hea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -140,6 +142,52 @@ class MLP(nn.Module, UsesOps):
         return self.parallel.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
+@dataclass
+class FusedLayers:
+    """Consecutive decoder layers as `ModelOps.decoder_layers` takes them (csrc/ops.h): one layer's
+    (`DecoderLayer.fuse_for_decode`) or a whole stage's (`stack`), for pure decode steps."""
+
+    weights: list[torch.Tensor]  # qkv, o, gate_up, down of each layer in turn: GGUF blocks or float32 weights
+    types: list[int]  # their ggml types, -1 for a float32 weight
+    qkv_biases: list[torch.Tensor | None]
+    input_norms: list[torch.Tensor]
+    post_attention_norms: list[torch.Tensor]
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+
+    @classmethod
+    def stack(cls, layers: list[FusedLayers | None]) -> FusedLayers | None:
+        """The layers in one call, or None where one of them cannot be fused (or there are none)."""
+        if not layers or any(layer is None for layer in layers):
+            return None
+        first = layers[0]
+        return cls(weights=[w for layer in layers for w in layer.weights],
+                   types=[t for layer in layers for t in layer.types],
+                   qkv_biases=[b for layer in layers for b in layer.qkv_biases],
+                   input_norms=[n for layer in layers for n in layer.input_norms],
+                   post_attention_norms=[n for layer in layers for n in layer.post_attention_norms],
+                   eps=first.eps, num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, scale=first.scale)
+
+    @staticmethod
+    def runs(ops: ModelOps, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step is one `decoder_layers` computes: a pure decode step of few enough
+        float32 rows."""
+        return (hidden.shape[0] <= ops.decoder_layer_max_rows and hidden.dtype == torch.float32
+                and meta.in_place_decode_group() is not None)
+
+    def __call__(self, ops: ModelOps, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 rotary: tuple[torch.Tensor, torch.Tensor], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        group = meta.in_place_decode_group()
+        return ops.decoder_layers(
+            hidden, residual, *rotary, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
+            group.block_tables, group.context_lens, meta.block_size, self.weights, self.types, self.qkv_biases,
+            self.input_norms, self.post_attention_norms, self.eps, self.num_heads, self.num_kv_heads, self.scale,
+            ops.int8_activations)
+
+
 class DecoderLayer(nn.Module, UsesOps):
     def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
@@ -147,25 +195,29 @@ class DecoderLayer(nn.Module, UsesOps):
         self.self_attn = Attention(config, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, parallel)
-        # the four linears as `ModelOps.decoder_layer` takes them, where it can run this layer
-        self.fused_weights: tuple[list[torch.Tensor], list[int]] | None = None
+        # this layer's part of `ModelOps.decoder_layers`' arguments, where it can run this layer
+        self.fused: FusedLayers | None = None
 
     def fuse_for_decode(self) -> None:
-        """Let pure decode steps run this layer through `ops.decoder_layer` (one call): where the
+        """Let pure decode steps run this layer through `ops.decoder_layers` (one call): where the
         ops have it and the layer is what it computes (one TP rank, no q/k norms, float32 or GGUF
         block weights: not a bfloat16-mode layer whose only weight is the packed one). Call after
         the weights are loaded and packed."""
         attention, mlp = self.self_attn, self.mlp
         linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        fusable = (self.ops.decoder_layer is not None and attention.parallel.tp_size == 1
+        fusable = (self.ops.decoder_layers is not None and attention.parallel.tp_size == 1
                    and attention.q_norm is None
                    and all(layer.blocks is not None or (layer.weight.dtype == torch.float32 and not layer.weight.is_meta)
                            for layer in linears))
         if not fusable:
-            self.fused_weights = None
+            self.fused = None
             return
-        self.fused_weights = ([layer.weight if layer.blocks is None else layer.blocks.blocks for layer in linears],
-                              [-1 if layer.blocks is None else layer.blocks.ggml_type for layer in linears])
+        self.fused = FusedLayers(
+            weights=[layer.weight if layer.blocks is None else layer.blocks.blocks for layer in linears],
+            types=[-1 if layer.blocks is None else layer.blocks.ggml_type for layer in linears],
+            qkv_biases=[attention.qkv_proj.bias], input_norms=[self.input_layernorm.weight],
+            post_attention_norms=[self.post_attention_layernorm.weight], eps=self.input_layernorm.eps,
+            num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads, scale=attention.scale)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -173,14 +225,8 @@ class DecoderLayer(nn.Module, UsesOps):
         """`residual` is the stream so far and `hidden` the last sublayer's output to add to it
         (at the first layer: the embeddings, residual None). Returns the MLP's output and the
         stream before it; the caller's next norm adds them."""
-        group = meta.in_place_decode_group() if self.fused_weights is not None else None
-        if group is not None and hidden.shape[0] <= self.ops.decoder_layer_max_rows and hidden.dtype == torch.float32:
-            attention = self.self_attn
-            return self.ops.decoder_layer(
-                hidden, residual, *rotary, *kv_cache, meta.slot_mapping, group.block_tables, group.context_lens,
-                meta.block_size, *self.fused_weights, attention.qkv_proj.bias, self.input_layernorm.weight,
-                self.post_attention_layernorm.weight, self.input_layernorm.eps, attention.num_heads, attention.num_kv_heads,
-                attention.scale, self.ops.int8_activations)
+        if self.fused is not None and self.fused.runs(self.ops, hidden, meta):
+            return self.fused(self.ops, hidden, residual, rotary, [kv_cache], meta)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -217,6 +263,7 @@ class LlamaModel(nn.Module, UsesOps):
         # --int8-activations: the GGUF block linears (and head) take activations quantized to 8 bits
         self.int8_activations = False
         self.head_packed: torch.Tensor | None = None  # the head's weight as `ModelOps.pack_logits_weight` made it
+        self.fused_layers: FusedLayers | None = None  # every layer in one `decoder_layers` call, where all can be
         self.requires_grad_(False)
 
     def set_ops(self, ops: ModelOps) -> None:
@@ -237,6 +284,7 @@ class LlamaModel(nn.Module, UsesOps):
                     module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
         for layer in self.layers:
             layer.fuse_for_decode()
+        self.fused_layers = FusedLayers.stack([layer.fused for layer in self.layers])
         self.head_packed = None
         if self.parallel.is_last_stage and ops.pack_logits_weight is not None:
             self.head_packed = ops.pack_logits_weight(self._head()[0])
@@ -258,12 +306,21 @@ class LlamaModel(nn.Module, UsesOps):
             hidden, residual = intermediate
         rotary = self.rotary(positions, hidden.dtype)
         connector = meta.kv_connector
+        fused = self.fused_layers
+        if fused is not None and connector is None and fused.runs(self.ops, hidden, meta):
+            hidden, residual = fused(self.ops, hidden, residual, rotary, kv_caches, meta)
+            return self._stage_output(hidden, residual)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if connector is not None:
                 connector.wait_for_layer_load(index)
             hidden, residual = layer(hidden, residual, rotary, kv_cache, meta)
             if connector is not None:
                 connector.save_kv_layer(index, *kv_cache, meta)
+        return self._stage_output(hidden, residual)
+
+    def _stage_output(self, hidden: torch.Tensor, residual: torch.Tensor
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's final hidden states; another stage's (hidden, residual) for the next."""
         if not self.parallel.is_last_stage:
             return hidden.contiguous(), residual.contiguous()
         return self.norm.add_forward(hidden, residual)[0]

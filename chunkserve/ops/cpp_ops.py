@@ -19,12 +19,13 @@
   numerics, under their own accuracy contract (docs/PRECISION.md).
 - `dequantized_linear`, `bf16_dot_linear` (csrc/deterministic_linear.cpp): deterministic mode's
   linears (`model_ops(deterministic=True)`, deterministic_ops.py), one reduction order per
-  output element for every row count; `deterministic_decoder_layer` and `bf16_decoder_layer`
-  are `decoder_layer` (below) with them.
+  output element for every row count; `deterministic_decoder_layers` and `bf16_decoder_layers`
+  are `decoder_layers` (below) with them.
 - `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
   layer's small ops, one call each instead of a chain of torch calls.
-- `decoder_layer` (csrc/decoder_layer.cpp): the ops above for a whole layer of a pure decode
-  step, from one call instead of some thirty (Python, pybind and the GIL at each).
+- `decoder_layers` (csrc/decoder_layer.cpp): the ops above for the decoder layers of a pure
+  decode step, from one call for the whole stack instead of some thirty a layer (Python, pybind
+  and the GIL at each).
 - Not ours but torch's: oneDNN's linear on weights packed once at load (`onednn_linear`), for
   the layers' steps of `ONEDNN_MIN_ROWS` rows and more, where it beats both MKL and our kernel.
   In bfloat16 mode (`model_ops(torch.bfloat16)`) the packed weight is bfloat16 and oneDNN
@@ -161,14 +162,14 @@ class CppOps:
     onednn_linear: Callable[..., torch.Tensor]
     onednn_bf16_linear: Callable[..., torch.Tensor]
     pack_linear_weight: Callable[[torch.Tensor, torch.dtype], torch.Tensor | None]
-    decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (x, float32 weight, bias), one order per element: on dequantized blocks, block_quantized_linear's bits
     dequantized_linear: Callable[..., torch.Tensor]
     bf16_dot_linear: Callable[..., torch.Tensor]  # (x, weight or blocks, ggml_type or -1, bias), one order each
     round_to_bf16: Callable[[torch.Tensor], torch.Tensor]  # a float32 weight as bf16_dot_linear reads it
     deterministic_bf16_supported: Callable[[], bool]  # whether bf16_dot_linear runs here (AVX512_BF16)
-    deterministic_decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # with deterministic float32
-    bf16_decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # `decoder_layer` with bf16_dot_linear
+    deterministic_decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # with deterministic float32
+    bf16_decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # `decoder_layers` with bf16_dot_linear
     cpu_has_vnni: Callable[[], bool]  # whether `block_quantized_linear` can take int8_activations here
     cpu_isa: Callable[[], str]  # the instruction set of the kernels that have several: avx512, avx2, portable
     set_cpu_isa: Callable[[str], str]  # another one this CPU has (tests, benchmarks); returns the last
@@ -198,7 +199,7 @@ class CppOps:
         return ModelOps(linear=linear, logits=logits, rms_norm=self.rms_norm, int8_activations=int8_activations,
                         add_rms_norm=self.add_rms_norm, rotary=self.rotary_embedding, silu_and_mul=self.silu_and_mul,
                         pack_linear_weight=functools.partial(self.pack_linear_weight, dtype=linear_dtype),
-                        packed_replaces_float=bf16, decoder_layer=self.decoder_layer,
+                        packed_replaces_float=bf16, decoder_layers=self.decoder_layers,
                         pack_logits_weight=functools.partial(self.pack_linear_weight, dtype=linear_dtype) if bf16 else None,
                         # from there `linear` takes oneDNN
                         decoder_layer_max_rows=(BF16_ONEDNN_MIN_ROWS if bf16 else ONEDNN_MIN_ROWS) - 1)
@@ -308,12 +309,12 @@ def build_cpp_ops() -> CppOps:
                   rms_norm=module.rms_norm, add_rms_norm=module.add_rms_norm,
                   rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul,
                   onednn_linear=onednn_linear, onednn_bf16_linear=onednn_bf16_linear,
-                  pack_linear_weight=pack_for_onednn, decoder_layer=module.decoder_layer,
+                  pack_linear_weight=pack_for_onednn, decoder_layers=module.decoder_layers,
                   dequantized_linear=module.dequantized_linear, bf16_dot_linear=module.bf16_dot_linear,
                   round_to_bf16=module.round_to_bf16,
                   deterministic_bf16_supported=module.deterministic_bf16_supported,
-                  deterministic_decoder_layer=module.deterministic_decoder_layer,
-                  bf16_decoder_layer=module.bf16_decoder_layer,
+                  deterministic_decoder_layers=module.deterministic_decoder_layers,
+                  bf16_decoder_layers=module.bf16_decoder_layers,
                   cpu_has_vnni=module.cpu_has_vnni, cpu_isa=module.cpu_isa,
                   set_cpu_isa=module.set_cpu_isa)
 

@@ -15,8 +15,8 @@ LM head, at every row count, sums each output element in one order (csrc/determi
   `DETERMINISTIC_BF16_BLOCK_MAX_ROWS` rows and its packed bfloat16 weight above, the same bits.
 
 Norms, rotary and SiLU are per row in the C++ ops already and are shared with the default set.
-The fused decode layer calls the kernels above (`deterministic_decoder_layer` in float32 mode,
-`bf16_decoder_layer` in bfloat16 mode), so it serves the pure decode steps of the rows that read
+The fused decode layers call the kernels above (`deterministic_decoder_layers` in float32 mode,
+`bf16_decoder_layers` in bfloat16 mode), so they serve the pure decode steps of the rows that read
 blocks, with the per-op path's bits; a layer without blocks is not fused in bfloat16 mode
 (`LlamaModel.set_ops` drops its float weight).
 """
@@ -62,7 +62,7 @@ def deterministic_model_ops(cpp_ops: CppOps, linear_dtype: torch.dtype, int8_act
     return ModelOps(linear=linear, logits=linear, rms_norm=cpp_ops.rms_norm, add_rms_norm=cpp_ops.add_rms_norm,
                     rotary=cpp_ops.rotary_embedding, silu_and_mul=cpp_ops.silu_and_mul, pack_linear_weight=pack,
                     packed_replaces_float=bf16, pack_logits_weight=pack if bf16 else None,
-                    decoder_layer=cpp_ops.bf16_decoder_layer if bf16 else cpp_ops.deterministic_decoder_layer,
+                    decoder_layers=cpp_ops.bf16_decoder_layers if bf16 else cpp_ops.deterministic_decoder_layers,
                     decoder_layer_max_rows=DETERMINISTIC_BF16_BLOCK_MAX_ROWS if bf16 else DETERMINISTIC_BLOCK_MAX_ROWS)
 
 
@@ -76,7 +76,7 @@ def _float_twin(weight: torch.Tensor) -> torch.Tensor | None:
 
 def _float32_linear(cpp_ops: CppOps, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     blocks: BlockWeight | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
-    if blocks is None:  # as deterministic_decoder_layer: `packed` exists where K allows the float kernel
+    if blocks is None:  # as deterministic_decoder_layers: `packed` exists where K allows the float kernel
         return cpp_ops.small_batch_linear(x, weight, bias) if packed is None else cpp_ops.dequantized_linear(
             x, packed, bias)
     if x.shape[0] <= DETERMINISTIC_BLOCK_MAX_ROWS:

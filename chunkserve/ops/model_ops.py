@@ -65,15 +65,15 @@ class ModelOps:
     silu_and_mul: Callable[[Tensor], Tensor]  # [T, 2I] -> silu(first half) * second half
     # weight [out, in] -> the same weight in the layout `linear` reads fastest, or None (keep the float weight)
     pack_linear_weight: Callable[[Tensor], Tensor | None]
-    # a whole decoder layer of a pure decode step of at most `decoder_layer_max_rows` rows in one call, with the
-    # arguments of csrc/ops.h `decoder_layer`; the same result as the layer's modules through the other ops
-    decoder_layer: Callable[..., tuple[Tensor, Tensor]] | None = None
+    # decoder layers of a pure decode step of at most `decoder_layer_max_rows` rows in one call, with the
+    # arguments of csrc/ops.h `decoder_layers`; the same result as the layers' modules through the other ops
+    decoder_layers: Callable[..., tuple[Tensor, Tensor]] | None = None
     decoder_layer_max_rows: int = 0
     # the LM head's weight [vocab, hidden] -> the layout `logits` reads for larger batches; None: the head reads its
     # float32 weight or blocks only
     pack_logits_weight: Callable[[Tensor], Tensor | None] | None = None
     # `--int8-activations`: `linear` and `logits` quantize the activations they multiply with GGUF blocks to 8
-    # bits; `decoder_layer` takes this as its last argument
+    # bits; `decoder_layers` takes this as its last argument
     int8_activations: bool = False
     # True: `linear` reads a layer's packed weight for every row count, never its float weight
     # (False: only where the layer also has blocks, which serve the rows the packed weight does not)

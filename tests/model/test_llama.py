@@ -87,11 +87,11 @@ def test_chunks_mixed_with_other_requests_decodes(models, chunk, backend, reques
     torch.testing.assert_close(torch.cat(got_prompt), reference_logits(reference, prompt), atol=ATOL, rtol=1e-4)
 
 
-def test_a_pure_decode_step_runs_each_layer_in_one_call_with_the_same_logits(cpp_ops, tiny_model_dir):
-    """Pure decode steps below oneDNN's rows go through `decoder_layer`, one C++ call a layer,
-    and give bit for bit the logits of the same kernels called layer part by layer part (Llama,
-    Qwen2's q/k/v bias; Qwen3's q/k norms keep the per-part path); steps with a prompt chunk
-    keep the per-part path."""
+def test_a_pure_decode_step_runs_its_layers_in_one_call_with_the_same_logits(cpp_ops, tiny_model_dir):
+    """Pure decode steps below oneDNN's rows go through `decoder_layers`, one C++ call for the
+    whole stack (or, beside a KV connector, one a layer), and give bit for bit the logits of the
+    same kernels called layer part by layer part (Llama, Qwen2's q/k/v bias; Qwen3's q/k norms
+    keep the per-part path); steps with a prompt chunk keep the per-part path."""
     assert_one_call_layers_equal_the_parts(cpp_ops, tiny_model_dir)
 
 
@@ -118,38 +118,48 @@ def test_one_call_float_layers_give_the_per_part_bits_in_deterministic_mode(cpp_
 
 def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "float32",
                                            deterministic: bool = False) -> None:
+    """The whole stack in one call, and one call a layer (as beside a KV connector), against the
+    per-part path: the same logits, bit for bit, and the calls each was meant to make."""
     source = resolve_model(model)
     config = load_model_config(source)
-    calls = []
+    calls = {"stack": [], "layer": []}
 
-    def counted(layer):
+    def counted(name, layers):
         def call(*args):
-            calls.append(args[0].shape[0])
-            return layer(*args)
+            calls[name].append((args[0].shape[0], len(args[4])))  # (rows, layers)
+            return layers(*args)
 
         return call
 
-    fused_ops = dataclasses.replace(cpp_ops, decoder_layer=counted(cpp_ops.decoder_layer),
-                                    deterministic_decoder_layer=counted(cpp_ops.deterministic_decoder_layer),
-                                    bf16_decoder_layer=counted(cpp_ops.bf16_decoder_layer))
-    fused, parts = (PagedRunner(load_model(source, config, dtype, 512), config, cpp_ops=ops, deterministic=deterministic)
-                    for ops in (fused_ops, cpp_ops))
+    def runner(name):
+        ops = dataclasses.replace(cpp_ops, **{f: counted(name, getattr(cpp_ops, f)) for f in (
+            "decoder_layers", "deterministic_decoder_layers", "bf16_decoder_layers")})
+        return PagedRunner(load_model(source, config, dtype, 512), config, cpp_ops=ops, deterministic=deterministic)
+
+    stack, per_layer, parts = runner("stack"), runner("layer"), runner("parts")
+    per_layer.model.fused_layers = None
+    parts.model.fused_layers = None
     for layer in parts.model.layers:
-        layer.fused_weights = None
+        layer.fused = None
     rng = np.random.default_rng(3)
     prompts = {f"r{i}": rng.integers(0, config.vocab_size, n).tolist() for i, n in enumerate((9, 40, 17))}
     decoded = {request_id: rng.integers(0, config.vocab_size, 4).tolist() for request_id in prompts}
-    for runner in (fused, parts):
+    runners = (stack, per_layer, parts)
+    for each in runners:
         for request_id, tokens in prompts.items():
-            runner.add(request_id, tokens + decoded[request_id])
+            each.add(request_id, tokens + decoded[request_id])
     for request_id, tokens in prompts.items():
         work = {request_id: len(tokens)}
-        assert torch.equal(fused.step(work)[request_id], parts.step(work)[request_id])
-    assert calls == []
+        rows = [each.step(work)[request_id] for each in runners]
+        assert torch.equal(rows[0], rows[2]) and torch.equal(rows[1], rows[2])
+    assert calls == {"stack": [], "layer": []}
     for _ in range(4):
         work = dict.fromkeys(prompts, 1)
-        fused_rows, part_rows = fused.step(work), parts.step(work)
+        rows = [each.step(work) for each in runners]
         for request_id in prompts:
-            assert torch.equal(fused_rows[request_id], part_rows[request_id])
-    # q/k norms (Qwen3) are not in the one-call layer: those layers keep the per-part path
-    assert calls == ([] if config.qk_norm else [len(prompts)] * (4 * config.num_layers))
+            assert torch.equal(rows[0][request_id], rows[2][request_id])
+            assert torch.equal(rows[1][request_id], rows[2][request_id])
+    # q/k norms (Qwen3) are not in the one-call layers: those models keep the per-part path
+    fused = not config.qk_norm
+    assert calls["stack"] == ([(len(prompts), config.num_layers)] * 4 if fused else [])
+    assert calls["layer"] == ([(len(prompts), 1)] * (4 * config.num_layers) if fused else [])

@@ -1,10 +1,12 @@
-// A whole decoder layer of a pure decode step in one call.
+// The decoder layers of a pure decode step in one call: the whole stack, or one layer.
 //
 // A decode step of a small model is short enough that the way to its kernels shows: per layer
 // the Python path makes nine calls into these ops and some twenty torch and module calls around
 // them (slices, views, the KV write), each crossing the language boundary and the GIL. Here
 // the same kernels run in the same order on the same tensors from one C++ call, so the result
-// is bit for bit the Python path's (tests/model check it).
+// is bit for bit the Python path's (tests/model check it). A call for the whole stack also
+// keeps the compute threads' team busy from layer to layer: between two calls from Python it
+// waits longer than its bounded spin (GOMP_SPINCOUNT) and sleeps, and waking it costs each layer.
 #include "block_linear.h"
 #include "ops.h"
 
@@ -35,19 +37,18 @@ torch::Tensor deterministic_float32_linear(const torch::Tensor& x, const torch::
 // Deterministic bfloat16 mode's: bfloat16 products on the GGUF blocks (its only fusable weights).
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t type, bool /*int8*/,
                           const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(type >= 0, "bf16_decoder_layer: GGUF block weights only");
+  TORCH_CHECK(type >= 0, "bf16_decoder_layers: GGUF block weights only");
   return bf16_dot_linear(x, weight, type, bias);
 }
 
+// One layer; its four linears (qkv, o, gate_up, down) are weights[0..3] with types[0..3].
 std::tuple<torch::Tensor, torch::Tensor> layer_with(
-    LinearFn linear, AttentionFn attention, torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos,
-    torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
-    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
-    std::vector<int64_t> types, c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm,
-    torch::Tensor post_attention_norm, double eps, int64_t num_heads, int64_t num_kv_heads, double scale,
-    bool int8_activations) {
-  TORCH_CHECK(weights.size() == 4 && types.size() == 4,
-              "decoder_layer: four linears (qkv, o, gate_up, down), each a weight and its ggml type (-1: float32)");
+    LinearFn linear, AttentionFn attention, torch::Tensor hidden, const c10::optional<torch::Tensor>& residual,
+    const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
+    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+    int64_t block_size, const torch::Tensor* weights, const int64_t* types, const c10::optional<torch::Tensor>& qkv_bias,
+    const torch::Tensor& input_norm, const torch::Tensor& post_attention_norm, double eps, int64_t num_heads,
+    int64_t num_kv_heads, double scale, bool int8_activations) {
   const int64_t rows = hidden.size(0), head_dim = k_cache.size(2);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   torch::Tensor normed;
@@ -74,37 +75,69 @@ std::tuple<torch::Tensor, torch::Tensor> layer_with(
   return {mlp_out, new_stream};
 }
 
+// The layers of `k_caches` in turn, each through layer_with; per layer i its weights and types are
+// entries 4i to 4i + 3 of `weights` and `types`.
+std::tuple<torch::Tensor, torch::Tensor> layers_with(
+    LinearFn linear, AttentionFn attention, torch::Tensor hidden, c10::optional<torch::Tensor> residual,
+    const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& k_caches,
+    const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+    const torch::Tensor& context_lens, int64_t block_size, const std::vector<torch::Tensor>& weights,
+    const std::vector<int64_t>& types, const std::vector<c10::optional<torch::Tensor>>& qkv_biases,
+    const std::vector<torch::Tensor>& input_norms, const std::vector<torch::Tensor>& post_attention_norms, double eps,
+    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations) {
+  const size_t layers = k_caches.size();
+  TORCH_CHECK(layers > 0 && v_caches.size() == layers && weights.size() == 4 * layers && types.size() == 4 * layers &&
+                  qkv_biases.size() == layers && input_norms.size() == layers && post_attention_norms.size() == layers,
+              "decoder_layers: per layer a K and a V cache, four linears (qkv, o, gate_up, down: a weight and its "
+              "ggml type, -1 for float32), a qkv bias or None and two norms; got ", k_caches.size(), " K caches, ",
+              v_caches.size(), " V caches, ", weights.size(), " weights, ", types.size(), " types, ", qkv_biases.size(),
+              " biases, ", input_norms.size(), " and ", post_attention_norms.size(), " norms");
+  for (size_t i = 0; i < layers; ++i) {
+    torch::Tensor stream;
+    std::tie(hidden, stream) = layer_with(linear, attention, hidden, residual, cos, sin, k_caches[i], v_caches[i],
+                                          slot_mapping, block_tables, context_lens, block_size, &weights[4 * i],
+                                          &types[4 * i], qkv_biases[i], input_norms[i], post_attention_norms[i], eps,
+                                          num_heads, num_kv_heads, scale, int8_activations);
+    residual = stream;
+  }
+  return {hidden, *residual};
+}
+
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
+std::tuple<torch::Tensor, torch::Tensor> decoder_layers(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-    torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
-    c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
+    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
+    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
+    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
+    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
     int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations) {
-  return layer_with(float32_linear, paged_decode_attention, hidden, residual, cos, sin, k_cache, v_cache,
-                    slot_mapping, block_tables, context_lens, block_size, weights, types, qkv_bias, input_norm,
-                    post_attention_norm, eps, num_heads, num_kv_heads, scale, int8_activations);
+  return layers_with(float32_linear, paged_decode_attention, hidden, residual, cos, sin, k_caches, v_caches,
+                     slot_mapping, block_tables, context_lens, block_size, weights, types, qkv_biases, input_norms,
+                     post_attention_norms, eps, num_heads, num_kv_heads, scale, int8_activations);
 }
 
-std::tuple<torch::Tensor, torch::Tensor> deterministic_decoder_layer(
+std::tuple<torch::Tensor, torch::Tensor> deterministic_decoder_layers(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-    torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
-    c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
+    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
+    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
+    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
+    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
     int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations) {
-  return layer_with(deterministic_float32_linear, deterministic_decode_attention, hidden, residual, cos, sin,
-                    k_cache, v_cache, slot_mapping, block_tables, context_lens, block_size, weights, types, qkv_bias, input_norm,
-                    post_attention_norm, eps, num_heads, num_kv_heads, scale, int8_activations);
+  return layers_with(deterministic_float32_linear, deterministic_decode_attention, hidden, residual, cos, sin,
+                     k_caches, v_caches, slot_mapping, block_tables, context_lens, block_size, weights, types,
+                     qkv_biases, input_norms, post_attention_norms, eps, num_heads, num_kv_heads, scale,
+                     int8_activations);
 }
 
-std::tuple<torch::Tensor, torch::Tensor> bf16_decoder_layer(
+std::tuple<torch::Tensor, torch::Tensor> bf16_decoder_layers(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-    torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
-    c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
+    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
+    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
+    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
+    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
     int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations) {
-  return layer_with(bf16_linear, deterministic_decode_attention, hidden, residual, cos, sin, k_cache, v_cache,
-                    slot_mapping, block_tables, context_lens, block_size, weights, types, qkv_bias, input_norm,
-                    post_attention_norm, eps, num_heads, num_kv_heads, scale, int8_activations);
+  return layers_with(bf16_linear, deterministic_decode_attention, hidden, residual, cos, sin, k_caches, v_caches,
+                     slot_mapping, block_tables, context_lens, block_size, weights, types, qkv_biases, input_norms,
+                     post_attention_norms, eps, num_heads, num_kv_heads, scale, int8_activations);
 }

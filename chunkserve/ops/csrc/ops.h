@@ -66,37 +66,42 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_embedding(torch::Tensor q, torch
 // x [T, 2I] -> silu(x[:, :I]) * x[:, I:], [T, I].
 torch::Tensor silu_and_mul(torch::Tensor x);
 
-// One decoder layer of a pure decode step (every row a decode, one decode group, no TP) through
-// the ops above, in the order and with the kernels of the Python path (model/llama.py
+// Decoder layers of a pure decode step (every row a decode, one decode group, no TP) through the
+// ops above, in turn, in the order and with the kernels of the Python path (model/llama.py
 // DecoderLayer): hidden [B, hidden_size] is the last sublayer's output and residual the stream
-// before it (None at the first layer: hidden is then the embeddings). weights: qkv, o, gate_up,
-// down, each GGUF blocks (types[i] its ggml type) or a float32 [out, in] weight (types[i] -1);
-// int8_activations as block_quantized_linear's, for the blocks.
-// Writes this step's K/V at slot_mapping and returns (the MLP's output, the stream before it).
-std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
+// before it (None at the first layer: hidden is then the embeddings). Per layer i: k_caches[i] and
+// v_caches[i], qkv_biases[i] (or None), input_norms[i] and post_attention_norms[i], and its four
+// linears qkv, o, gate_up, down as weights[4i .. 4i + 3], each GGUF blocks (types[4i + j] its ggml
+// type) or a float32 [out, in] weight (type -1); int8_activations as block_quantized_linear's, for
+// the blocks. Writes this step's K/V at slot_mapping in every layer's cache and returns (the last
+// layer's MLP output, the stream before it).
+std::tuple<torch::Tensor, torch::Tensor> decoder_layers(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-    torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
-    c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
+    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
+    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
+    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
+    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
     int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
 
 // The same with deterministic float32 mode's linears and attention (deterministic_decode_attention):
 // the blocks by block_quantized_linear (float32 activations), a float32 weight by dequantized_linear
 // where K is a multiple of 32.
-std::tuple<torch::Tensor, torch::Tensor> deterministic_decoder_layer(
+std::tuple<torch::Tensor, torch::Tensor> deterministic_decoder_layers(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-    torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
-    c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
+    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
+    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
+    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
+    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
     int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
 
 // The same with deterministic bfloat16 mode's linears (bf16_dot_linear) on GGUF block weights only, and
 // deterministic_decode_attention.
-std::tuple<torch::Tensor, torch::Tensor> bf16_decoder_layer(
+std::tuple<torch::Tensor, torch::Tensor> bf16_decoder_layers(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-    torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
-    c10::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
+    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
+    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
+    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
+    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
     int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
 
 // Whether this CPU runs block_quantized_linear's int8_activations (AVX-512 with VNNI).
