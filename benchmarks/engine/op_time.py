@@ -43,7 +43,8 @@ from chunkserve.model.config import ModelConfig
 from chunkserve.model.llama import UsesOps
 from chunkserve.ops.cpp_ops import AttentionKernels
 
-DECODE_ATTENTION, PREFILL_ATTENTION, DECODE_LAYER = "decode attention (C++)", "prefill attention (C++)", "decoder_layers"
+DECODE_ATTENTION, PREFILL_ATTENTION = "decode attention (C++)", "prefill attention (C++)"
+DECODE_LAYER = "decoder_layers"
 READ_WORK = (DECODE_ATTENTION, f"{DECODE_LAYER} KV")  # work in bytes read; the rest in FLOPs
 
 
