@@ -5,8 +5,8 @@
 // them (slices, views, the KV write), each crossing the language boundary and the GIL. Here
 // the same kernels run in the same order on the same tensors from one C++ call, so the result
 // is bit for bit the Python path's (tests/model check it). A call for the whole stack also
-// keeps the compute threads' team busy from layer to layer: between two calls from Python it
-// waits longer than its bounded spin (GOMP_SPINCOUNT) and sleeps, and waking it costs each layer.
+// keeps the compute threads' team busy from layer to layer, where between two calls from Python
+// it may outwait its bounded spin (GOMP_SPINCOUNT, set by the server) and sleep.
 #include "block_linear.h"
 #include "ops.h"
 
