@@ -122,7 +122,7 @@ def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "fl
     per-part path: the same logits, bit for bit, and the calls each was meant to make."""
     source = resolve_model(model)
     config = load_model_config(source)
-    calls = {"stack": [], "layer": []}
+    calls = {"stack": [], "layer": [], "parts": []}
 
     def counted(name, layers):
         def call(*args):
@@ -152,7 +152,7 @@ def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "fl
         work = {request_id: len(tokens)}
         rows = [each.step(work)[request_id] for each in runners]
         assert torch.equal(rows[0], rows[2]) and torch.equal(rows[1], rows[2])
-    assert calls == {"stack": [], "layer": []}
+    assert calls == {"stack": [], "layer": [], "parts": []}
     for _ in range(4):
         work = dict.fromkeys(prompts, 1)
         rows = [each.step(work) for each in runners]
@@ -163,3 +163,4 @@ def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "fl
     fused = not config.qk_norm
     assert calls["stack"] == ([(len(prompts), config.num_layers)] * 4 if fused else [])
     assert calls["layer"] == ([(len(prompts), 1)] * (4 * config.num_layers) if fused else [])
+    assert calls["parts"] == []
