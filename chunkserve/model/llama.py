@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chunkserve.attention.paged import AttentionMetadata, paged_attention, write_kv
+from chunkserve.attention.paged import AttentionMetadata, DecodeGroup, paged_attention, write_kv
 from chunkserve.errors import ModelLoadError
 from chunkserve.model.config import ModelConfig
 from chunkserve.model.parallel import ParallelContext, block_columns, block_rows
@@ -171,16 +171,16 @@ class FusedLayers:
                    eps=first.eps, num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, scale=first.scale)
 
     @staticmethod
-    def runs(ops: ModelOps, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step is one `decoder_layers` computes: a pure decode step of few enough
-        float32 rows."""
-        return (hidden.shape[0] <= ops.decoder_layer_max_rows and hidden.dtype == torch.float32
-                and meta.in_place_decode_group() is not None)
+    def decode_group(ops: ModelOps, hidden: torch.Tensor, meta: AttentionMetadata) -> DecodeGroup | None:
+        """The step's decode group where `decoder_layers` computes this step (a pure decode step
+        of few enough float32 rows), else None."""
+        if hidden.shape[0] > ops.decoder_layer_max_rows or hidden.dtype != torch.float32:
+            return None
+        return meta.in_place_decode_group()
 
     def __call__(self, ops: ModelOps, hidden: torch.Tensor, residual: torch.Tensor | None,
                  rotary: tuple[torch.Tensor, torch.Tensor], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        group = meta.in_place_decode_group()
+                 meta: AttentionMetadata, group: DecodeGroup) -> tuple[torch.Tensor, torch.Tensor]:
         return ops.decoder_layers(
             hidden, residual, *rotary, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
             group.block_tables, group.context_lens, meta.block_size, self.weights, self.types, self.qkv_biases,
@@ -225,8 +225,9 @@ class DecoderLayer(nn.Module, UsesOps):
         """`residual` is the stream so far and `hidden` the last sublayer's output to add to it
         (at the first layer: the embeddings, residual None). Returns the MLP's output and the
         stream before it; the caller's next norm adds them."""
-        if self.fused is not None and self.fused.runs(self.ops, hidden, meta):
-            return self.fused(self.ops, hidden, residual, rotary, [kv_cache], meta)
+        group = None if self.fused is None else self.fused.decode_group(self.ops, hidden, meta)
+        if group is not None:
+            return self.fused(self.ops, hidden, residual, rotary, [kv_cache], meta, group)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -307,8 +308,9 @@ class LlamaModel(nn.Module, UsesOps):
         rotary = self.rotary(positions, hidden.dtype)
         connector = meta.kv_connector
         fused = self.fused_layers
-        if fused is not None and connector is None and fused.runs(self.ops, hidden, meta):
-            hidden, residual = fused(self.ops, hidden, residual, rotary, kv_caches, meta)
+        group = None if fused is None or connector is not None else fused.decode_group(self.ops, hidden, meta)
+        if group is not None:
+            hidden, residual = fused(self.ops, hidden, residual, rotary, kv_caches, meta, group)
             return self._stage_output(hidden, residual)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if connector is not None:
