@@ -97,6 +97,14 @@ class Relay:
         return error_answer(503, f"the {instance.role} instance {instance.url} could not be reached ({error!r})",
                             "service_unavailable", self.retry_after)
 
+    def lost(self, instance: Instance, error: httpx.TransportError) -> Answer:
+        """An instance that dropped its connection mid-answer is gone as one that cannot be
+        reached (a killed process does either, by when it dies): the request was not served, and
+        the client may retry it elsewhere."""
+        self.pool.mark_unreachable(instance, error)
+        return error_answer(503, f"the {instance.role} instance {instance.url} was lost mid-answer ({error!r})",
+                            "service_unavailable", self.retry_after)
+
     def timed_out(self) -> Answer:
         return error_answer(504, f"no answer within --request-timeout {self.timeout_s:g} s", "timeout")
 
@@ -251,8 +259,7 @@ class PDExchange:
             body = b"".join([chunk async for chunk in response.aiter_raw()])
         except httpx.TransportError as error:
             logger.warning("the prefill instance %s broke off its answer: %r", prefill.url, error)
-            return error_answer(502, f"the prefill instance {prefill.url} broke off its answer ({error!r})",
-                                "upstream_error")
+            return self.relay.lost(prefill, error)
         finally:
             await response.aclose()
         if response.status_code < 400:

@@ -123,6 +123,8 @@ def fake_app(fake: Fake) -> FastAPI:
         fake.bodies.append(body)
         fake.authorizations.append(request.headers.get("authorization"))
         if fake.role == "prefill":
+            if body.get("fake_prefill_break"):
+                return BrokenOff()
             status = body.get("fake_prefill_status", 200)
             return JSONResponse(prefill_error(status) if status >= 400 else {"prefilled": True}, status)
         await asyncio.sleep(body.get("fake_decode_delay", 0))  # holds back the status line
@@ -134,6 +136,15 @@ def fake_app(fake: Fake) -> FastAPI:
         return StreamingResponse(events(fake, body), media_type="text/event-stream")
 
     return app
+
+
+class BrokenOff(Response):
+    """The status line and headers of a 100-byte answer, then the connection dropped, as from a
+    process killed mid-answer."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"100")]})
+        raise ConnectionAbortedError("the fake drops its connection")
 
 
 async def events(fake: Fake, body: dict):
@@ -391,6 +402,21 @@ def test_an_unreachable_instance_is_taken_out_at_once(pair, tmp_path):
         assert_unavailable(router.health(), "no healthy decode instance")
         decode.start()
         eventually(lambda: router.health().status_code == 200)  # one good check is enough
+        assert router.post(new_id()).status_code == 200
+    finally:
+        stop_router(router)
+
+
+def test_a_prefill_that_drops_its_connection_mid_answer_is_lost_to_the_client_and_the_rotation(pair, tmp_path):
+    prefill, decode = pair
+    router = start_router(tmp_path, "--prefill", prefill.url, "--decode", decode.url,
+                          "--health-failure-threshold", "1000")  # only the broken answer takes it out
+    try:
+        eventually(lambda: router.health().status_code == 200)
+        assert_unavailable(router.post(new_id(), fake_prefill_break=True, fake_decode_delay=0.5),
+                           f"the prefill instance {prefill.url} was lost mid-answer")
+        assert f"prefill instance {prefill.url} is out of rotation: unreachable" in router.log()
+        eventually(lambda: router.health().status_code == 200)  # its next good check brings it back
         assert router.post(new_id()).status_code == 200
     finally:
         stop_router(router)
