@@ -117,6 +117,17 @@ def test_light_modules_load_without_torch_or_the_engine(module):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_server_starts_its_engine_process_before_loading_torch():
+    """`chunkserve serve` binds its port and spawns the engine core (entrypoints/server/startup.py)
+    before it imports the frontend: were torch loaded first, the two processes would load one
+    after the other."""
+    code = ("import sys, chunkserve.entrypoints.server.startup; "
+            "heavy = sorted(m for m in sys.modules if m in ('torch', 'transformers', 'chunkserve.engine.core', "
+            "'chunkserve.engine.async_llm')); print(heavy); assert not heavy")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_the_lazy_package_exports_still_resolve():
     from chunkserve import LLM, EngineArgs, SamplingParams
 

@@ -32,6 +32,7 @@ from chunkserve.core.kv.snapshot import RequestSnapshot
 from chunkserve.core.stats import SchedulerStats
 from chunkserve.engine.core import MAX_STEP_RECORDS
 from chunkserve.engine.core_client import CoreClient, EventHandler, ProcessCore, ThreadCore
+from chunkserve.engine.core_process import EngineProcess
 from chunkserve.engine.frontend import Frontend
 from chunkserve.engine.input_processor import MultiModalPrompt, Prompt
 from chunkserve.engine.llm_engine import LLMEngine
@@ -150,18 +151,24 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_waiting_requests: int | None = None,
                          observers: list[StepObserver] | None = None, multiprocess: bool = True,
-                         max_unread_outputs: int = DEFAULT_MAX_UNREAD_OUTPUTS) -> AsyncLLM:
-        """Build the engine from `args`: in its own process (default) or on a thread."""
+                         max_unread_outputs: int = DEFAULT_MAX_UNREAD_OUTPUTS,
+                         started: EngineProcess | None = None) -> AsyncLLM:
+        """Build the engine from `args`: in its own process (default; `started`: that process,
+        already started for `args`) or on a thread. A restart starts a new process."""
         if not multiprocess:
             return cls.from_engine(LLMEngine(args), max_waiting_requests, observers, max_unread_outputs)
         source = resolve_model(args.model)
         loaded: dict[str, Any] = {}
+        unused = [started] if started is not None else []
 
         def load() -> None:  # while the engine process loads the model
             loaded["tokenizer"] = load_tokenizer(source, args.tokenizer, args.chat_template)
 
-        return cls(lambda on_event: ProcessCore(args, on_event, max_waiting_requests, while_loading=load),
-                   lambda: loaded["tokenizer"], source, args, observers, max_unread_outputs)
+        def start(on_event: EventHandler) -> ProcessCore:
+            return ProcessCore(args, on_event, max_waiting_requests, while_loading=load,
+                               started=unused.pop() if unused else None)
+
+        return cls(start, lambda: loaded["tokenizer"], source, args, observers, max_unread_outputs)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine, max_waiting_requests: int | None = None,

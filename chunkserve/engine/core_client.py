@@ -4,20 +4,17 @@ frontend's handler (messages.py); the frontend cannot tell them apart."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import multiprocessing
-import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from chunkserve.config.engine import EngineArgs
 from chunkserve.engine.core import EngineCore
-from chunkserve.engine.core_loop import EngineCoreLoop, run_engine_process
+from chunkserve.engine.core_loop import EngineCoreLoop
+from chunkserve.engine.core_process import EngineProcess, start_engine_process
 from chunkserve.engine.messages import Command, EngineDied, EngineInfo, Event, Ready, Shutdown, Stopped
 from chunkserve.errors import EngineDeadError
-from chunkserve.executor.cpu_threads import plan_threads, thread_environment
 
 logger = logging.getLogger(__name__)
 
@@ -48,35 +45,23 @@ class ThreadCore:
 
 
 class ProcessCore:
-    """The engine core in a process of its own (spawned, so no torch state is forked), talking
-    over two pipes. Commands go through a sender thread, so the event loop never blocks on a
-    full pipe; events arrive on a receiver thread. Construction returns once the engine is
-    built, and raises what building it raised (ModelLoadError, InvalidRequestError, ...).
-    `while_loading` runs here while the engine process loads (the frontend's tokenizer)."""
+    """The engine core in a process of its own (core_process.py), talking over two pipes.
+    Commands go through a sender thread, so the event loop never blocks on a full pipe; events
+    arrive on a receiver thread. Construction returns once the engine is built, and raises what
+    building it raised (ModelLoadError, InvalidRequestError, ...). `while_loading` runs here
+    while the engine process loads (the frontend's tokenizer). `started`: a process already
+    started for `args` (`chunkserve serve` starts it before loading the frontend); else one is
+    started now."""
 
     def __init__(self, args: EngineArgs, on_event: EventHandler, max_waiting_requests: int | None,
-                 while_loading: Callable[[], None] = lambda: None) -> None:
-        plan = plan_threads(args.cpu_omp_threads_bind) if args.executor_backend == "uni" else None
-        environment = thread_environment(plan, os.environ)
-        if plan is not None:
-            logger.info("engine compute threads: %s", plan.summary(environment))
-        context = multiprocessing.get_context("spawn")
-        commands_child, self._commands = context.Pipe(duplex=False)
-        self._events, events_child = context.Pipe(duplex=False)
-        self._process = context.Process(
-            target=run_engine_process, name="chunkserve-engine-core", daemon=True,
-            args=(args, max_waiting_requests, commands_child, events_child, logging.getLogger().getEffectiveLevel()),
-        )
-        with _environment(environment):  # the child's torch reads it as it loads
-            self._process.start()
-        commands_child.close()
-        events_child.close()
+                 while_loading: Callable[[], None] = lambda: None, started: EngineProcess | None = None) -> None:
+        engine = started or start_engine_process(args, max_waiting_requests)
+        self._process, self._commands, self._events = engine.process, engine.commands, engine.events
         try:
             while_loading()
             self.info = self._wait_ready()
         except BaseException:
-            self._process.kill()
-            self._process.join()
+            engine.kill()
             raise
         self._on_event = on_event
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -141,18 +126,3 @@ class ProcessCore:
 
 
 CoreClient = ThreadCore | ProcessCore
-
-
-@contextlib.contextmanager
-def _environment(environment: dict[str, str]) -> Iterator[None]:
-    """os.environ has `environment`'s values inside (a spawned process inherits them), its own after."""
-    changed = {name: os.environ.get(name) for name, value in environment.items() if os.environ.get(name) != value}
-    os.environ.update({name: environment[name] for name in changed})
-    try:
-        yield
-    finally:
-        for name, value in changed.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value

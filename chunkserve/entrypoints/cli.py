@@ -168,9 +168,15 @@ def main(argv: list[str] | None = None) -> None:
                 from chunkserve.executor.launch import run_headless
 
                 sys.exit(run_headless(engine_args))
-            from chunkserve.entrypoints.server.app import run_server
+            from chunkserve.entrypoints.server.startup import begin_serving
 
-            run_server(engine_args, server_args)
+            startup = begin_serving(engine_args, server_args)  # the engine process loads while the frontend does
+            try:
+                from chunkserve.entrypoints.server.app import run_server
+            except BaseException:
+                startup.abandon()
+                raise
+            run_server(startup)
         elif args.command == "router":
             from chunkserve.entrypoints.router.app import main as router_main
 

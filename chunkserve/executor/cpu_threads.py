@@ -26,8 +26,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
-
 from chunkserve.config.cpu_threads import BIND_AUTO, BIND_NONE, parse_threads_bind
 from chunkserve.errors import InvalidRequestError
 
@@ -208,6 +206,8 @@ def apply_in_process(plan: ThreadPlan) -> None:
     reach torch only through the environment it was loaded with: a process chunkserve starts
     gets them (`thread_environment`), an engine in the caller's own process (`LLM`,
     --disable-frontend-multiprocessing) keeps what its environment had, and is told so."""
+    import torch  # here only: the process that plans an engine process's threads never loads torch for it
+
     if torch.get_num_threads() != plan.threads:
         torch.set_num_threads(plan.threads)
     if plan.pinned and os.environ.get("OMP_PLACES") != places(plan.cpus):
@@ -219,5 +219,7 @@ def apply_in_process(plan: ThreadPlan) -> None:
 
 def current_threads() -> dict:
     """This process's compute threads as torch runs them: count, allowed CPUs, pinning, waits."""
+    import torch
+
     return {"threads": torch.get_num_threads(), "cpus": format_cpu_list(threads_cpus()),
             "pinned": "OMP_PLACES" in os.environ, "wait_policy": wait_policy_of(os.environ)}

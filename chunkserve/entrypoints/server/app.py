@@ -14,11 +14,9 @@ meanwhile.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -46,6 +44,7 @@ from chunkserve.entrypoints.server.serving import ServingOptions, error_response
 from chunkserve.entrypoints.server.sglang_api import SGLangServing
 from chunkserve.entrypoints.server.sglang_protocol import GenerateRequest
 from chunkserve.entrypoints.server.stats_log import INTERVAL_S as STATS_INTERVAL_S
+from chunkserve.entrypoints.server.startup import Startup
 from chunkserve.entrypoints.server.stats_log import StatsLogger
 from chunkserve.entrypoints.server.trace import StepTraceWriter
 from chunkserve.entrypoints.server.vllm_api import VLLMServing
@@ -171,30 +170,16 @@ class _GracefulServer(uvicorn.Server):
             aborter.cancel()
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The server's listening socket, bound now: a port in use is an error before the model loads."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as error:
-        sock.close()
-        raise InvalidRequestError(f"cannot listen on {host}:{port}: {error.strerror} (is another server running "
-                                  f"there? choose another --port)") from None
-    return sock
-
-
-def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
-    if engine_args.disaggregation_mode == "prefill":  # the bootstrap port listens where the server does
-        engine_args = dataclasses.replace(engine_args, disaggregation_bootstrap_host=server_args.host)
-    listener = bind_socket(server_args.host, server_args.port)
-    multiprocess = not server_args.disable_frontend_multiprocessing
+def run_server(startup: Startup) -> None:
+    """Serve until stopped, over what `begin_serving` bound and started."""
+    engine_args, server_args, listener = startup.engine_args, startup.server_args, startup.listener
+    multiprocess = startup.engine is not None
     try:
         engine = AsyncLLM.from_engine_args(engine_args, max_waiting_requests=server_args.max_waiting_requests,
-                                           multiprocess=multiprocess, max_unread_outputs=server_args.max_unread_outputs)
+                                           multiprocess=multiprocess, max_unread_outputs=server_args.max_unread_outputs,
+                                           started=startup.engine)
     except BaseException:
-        listener.close()
+        startup.abandon()
         raise
     model_names = server_args.served_model_name or [engine.info.model_name]
     metrics = EngineMetrics(model_names[0], max_model_len=engine.info.max_model_len, engine_args=engine_args,
