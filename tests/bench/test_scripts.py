@@ -132,9 +132,9 @@ def test_help(script, monkeypatch, capsys):
 
 
 # smoke runs of scripts whose subject a test of its own checks in the default tier (the GGUF loader, KV events,
-# the parallel engine, the engine's death, images): the long tier runs them, for the default tier's 15 minutes
-# (CI runs both on every change)
-LONG_TIER_SMOKE = {"gguf_to_hf", "kv_events_conformance", "parallel", "engine_death", "multimodal"}
+# the parallel engine, the engine's death, images, the live dashboard): the long tier runs them, for the default
+# tier's 15 minutes (CI runs both on every change)
+LONG_TIER_SMOKE = {"gguf_to_hf", "kv_events_conformance", "parallel", "engine_death", "multimodal", "dashboard"}
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in LONG_TIER_SMOKE else s

@@ -109,7 +109,9 @@ def test_export_at_every_step_greedy(tiny_model_dir, length, budget, steps):
         assert output.outputs[0].text == reference.outputs[0].text, f"export after step {k}"
 
 
-@pytest.mark.parametrize("length, steps", over_steps((17,), (300,)))
+# 300 tokens (chunks across steps) in every tier; 17 in the long tier
+@pytest.mark.parametrize("length, steps", [pytest.param(*p.values, marks=pytest.mark.slow, id=p.id) if p.values[0] == 17
+                                           else p for p in over_steps((17,), (300,))])
 def test_export_at_every_step_seeded(tiny_model_dir, length, steps):
     reference, resumed = exports_at_every_step(tiny_model_dir, prompt_of(length, 1), SEEDED, 64, steps)
     for k, output in resumed.items():

@@ -191,7 +191,8 @@ def expected(plain, prompts):
 # ----- 1. greedy outputs -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("budget", [512, 64, 16])
+# budgets 64 and 16 (drafts beside prompt chunks) in every tier, 512 in the long tier
+@pytest.mark.parametrize("budget", [pytest.param(512, marks=pytest.mark.slow), 64, 16])
 def test_greedy_outputs_equal_no_speculation(request, prompts, expected, budget):
     if budget == 512:
         llm = request.getfixturevalue("spec")

@@ -80,7 +80,8 @@ SCHEDULER_CONFIGURATIONS = {
     "decreasing": dict(max_num_batched_tokens=256, chunk_schedule="256:64:4:256"),
 }
 # The SLO configurations plan steps on the start-up profile of the model's cost curve: a random tiny
-# model's curve is flat noise, so they run on SmolLM2 in every tier. A TBT SLO of 150 ms binds below
+# model's curve is flat noise, so they run on SmolLM2: the TBT SLO in every tier, the TTFT SLO (whose
+# scheduling tests/core checks on a fake predictor) in the long tier. A TBT SLO of 150 ms binds below
 # the budget (chunks of ~80 tokens on 2 cores) and keeps chunks above the minimum on a loaded host
 # (60 ms cut them to 16 tokens: hundreds of steps when the host is busy).
 SLO_CONFIGURATIONS = {
@@ -92,7 +93,8 @@ SLO_CONFIGURATIONS = {
 
 @pytest.mark.parametrize("model, engine_args", [
     *over_models(*SCHEDULER_CONFIGURATIONS.values(), ids=list(SCHEDULER_CONFIGURATIONS)),
-    *[pytest.param(SMOLLM2, args, id=f"{SMOLLM2}-{name}") for name, args in SLO_CONFIGURATIONS.items()],
+    *[pytest.param(SMOLLM2, args, id=f"{SMOLLM2}-{name}", marks=[pytest.mark.slow] if name == "ttft-slo" else [])
+      for name, args in SLO_CONFIGURATIONS.items()],
 ])
 def test_outputs_identical_under_every_scheduler_configuration(reference_outputs, tiny_gguf, model, engine_args):
     prompts, params, expected = reference_outputs(model)

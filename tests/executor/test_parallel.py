@@ -43,8 +43,8 @@ def hf_logprobs(model_dir: str, prompt: list[int], tokens: list[int]) -> list[fl
     return [rows[i, t].item() for i, t in enumerate(tokens)]
 
 
-# budgets 16 (many chunks) and 512 (whole prompts) in every tier, 64 in the long tier (CI runs both)
-@pytest.mark.parametrize("budget", [16, pytest.param(64, marks=pytest.mark.slow), 512])
+# budget 16 (many chunks, mixed steps) in every tier; 64 and 512 (whole prompts) in the long tier (CI runs both)
+@pytest.mark.parametrize("budget", [16, pytest.param(64, marks=pytest.mark.slow), pytest.param(512, marks=pytest.mark.slow)])
 def test_tp2_equals_tp1_and_transformers(tiny_dir, default_tokenizer, budget):
     prompts = prompts_of(default_tokenizer)
     common = dict(max_num_batched_tokens=budget, max_num_seqs=16, num_kv_blocks=256, block_size=4)
