@@ -11,7 +11,12 @@ blocks as they are), attention reads the KV in place through the block tables, a
 ops are fused (chunkserve/ops/csrc/). Backends alternate, `--repeats` times each; the
 median over repeats is shown.
 
-    .venv/bin/python -m benchmarks.engine.decode_step [--repeats 2] [--model PATH] [--smoke]
+`--cpu-isa avx2` runs the C++ ops' AVX2 kernels on an AVX-512 CPU (`set_cpu_isa`), as on the
+AVX2-only hosts (with `--dtype float32`, what `--dtype auto` resolves to there); torch's own
+kernels still see the whole CPU.
+
+    .venv/bin/python -m benchmarks.engine.decode_step [--repeats 2] [--model PATH] [--dtype auto]
+        [--cpu-isa avx2] [--smoke]
 """
 
 from __future__ import annotations
@@ -44,19 +49,28 @@ def decode_step_ms(llm: LLM, prompt_lens: list[int], seed: int, tokens: int = DE
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", help="the engines' --dtype")
+    parser.add_argument("--cpu-isa", choices=("avx512", "avx2", "portable"),
+                        help="the C++ ops' instruction set (default: the best this CPU has)")
     add_model_flag(parser)
     add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.cpu_isa is not None:
+        from chunkserve.ops.cpp_ops import build_cpp_ops
+
+        build_cpp_ops().set_cpu_isa(args.cpu_isa)
     scenarios, tokens = (SMOKE_SCENARIOS, 4) if args.smoke else (SCENARIOS, DECODE_TOKENS)
     repeats = 1 if args.smoke else args.repeats
     engines = {b: LLM(args.model, max_num_batched_tokens=2048, kv_cache_memory_gb=0.25 if args.smoke else 1,
-                      op_backend=b, enable_prefix_caching=False) for b in BACKENDS}
+                      op_backend=b, enable_prefix_caching=False, dtype=args.dtype) for b in BACKENDS}
     results: dict[tuple[str, str], list[float]] = {}
     for repeat in range(repeats):
         for name, lens in scenarios.items():
             for backend in BACKENDS:
                 results.setdefault((name, backend), []).append(
                     decode_step_ms(engines[backend], lens, seed=repeat, tokens=tokens))
+    isa = f", C++ ops on {args.cpu_isa}" if args.cpu_isa else ""
+    print(f"dtype {engines['cpp'].engine.args.dtype}{isa}")
     print(f"{'scenario':<28}{'torch ms':>10}{'cpp ms':>10}{'speed-up':>10}")
     for name in scenarios:
         torch_ms, cpp_ms = (statistics.median(results[(name, b)]) for b in BACKENDS)
