@@ -30,6 +30,8 @@ class Startup:
 
 
 def begin_serving(engine_args: EngineArgs, server_args: ServerArgs) -> Startup:
+    """The bound port and the started engine process (none under --disable-frontend-multiprocessing);
+    raises, having closed what it opened, if either fails."""
     if engine_args.disaggregation_mode == "prefill":  # the bootstrap port listens where the server does
         engine_args = dataclasses.replace(engine_args, disaggregation_bootstrap_host=server_args.host)
     listener = bind_socket(server_args.host, server_args.port)
