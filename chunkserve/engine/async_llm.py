@@ -159,14 +159,14 @@ class AsyncLLM:
             return cls.from_engine(LLMEngine(args), max_waiting_requests, observers, max_unread_outputs)
         source = resolve_model(args.model)
         loaded: dict[str, Any] = {}
-        unused = [started] if started is not None else []
 
         def load() -> None:  # while the engine process loads the model
             loaded["tokenizer"] = load_tokenizer(source, args.tokenizer, args.chat_template)
 
         def start(on_event: EventHandler) -> ProcessCore:
-            return ProcessCore(args, on_event, max_waiting_requests, while_loading=load,
-                               started=unused.pop() if unused else None)
+            nonlocal started
+            process, started = started, None  # the first core adopts it; a restart starts its own
+            return ProcessCore(args, on_event, max_waiting_requests, while_loading=load, started=process)
 
         return cls(start, lambda: loaded["tokenizer"], source, args, observers, max_unread_outputs)
 

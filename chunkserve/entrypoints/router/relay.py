@@ -92,17 +92,13 @@ class Relay:
     def unavailable(self, role: Role) -> Answer:
         return error_answer(503, f"no healthy {role} instance", "service_unavailable", self.retry_after)
 
-    def unreachable(self, instance: Instance, error: httpx.TransportError) -> Answer:
+    def unreachable(self, instance: Instance, error: httpx.TransportError, mid_answer: bool = False) -> Answer:
+        """`mid_answer`: the instance dropped its connection after its headers, gone as one that
+        cannot be reached (a killed process does either, by when it dies): the request was not
+        served, and the client may retry it elsewhere."""
         self.pool.mark_unreachable(instance, error)
-        return error_answer(503, f"the {instance.role} instance {instance.url} could not be reached ({error!r})",
-                            "service_unavailable", self.retry_after)
-
-    def lost(self, instance: Instance, error: httpx.TransportError) -> Answer:
-        """An instance that dropped its connection mid-answer is gone as one that cannot be
-        reached (a killed process does either, by when it dies): the request was not served, and
-        the client may retry it elsewhere."""
-        self.pool.mark_unreachable(instance, error)
-        return error_answer(503, f"the {instance.role} instance {instance.url} was lost mid-answer ({error!r})",
+        what = "was lost mid-answer" if mid_answer else "could not be reached"
+        return error_answer(503, f"the {instance.role} instance {instance.url} {what} ({error!r})",
                             "service_unavailable", self.retry_after)
 
     def timed_out(self) -> Answer:
@@ -259,7 +255,7 @@ class PDExchange:
             body = b"".join([chunk async for chunk in response.aiter_raw()])
         except httpx.TransportError as error:
             logger.warning("the prefill instance %s broke off its answer: %r", prefill.url, error)
-            return self.relay.lost(prefill, error)
+            return self.relay.unreachable(prefill, error, mid_answer=True)
         finally:
             await response.aclose()
         if response.status_code < 400:
