@@ -19,8 +19,10 @@
   numerics, under their own accuracy contract (docs/PRECISION.md).
 - `dequantized_linear`, `bf16_dot_linear` (csrc/deterministic_linear.cpp): deterministic mode's
   linears (`model_ops(deterministic=True)`, deterministic_ops.py), one reduction order per
-  output element for every row count; `deterministic_decoder_layers` and `bf16_decoder_layers`
-  are `decoder_layers` (below) with them.
+  output element for every row count; `deterministic_decoder_layers` and
+  `deterministic_bf16_decoder_layers` are `decoder_layers` (below) with them. bfloat16 mode's
+  decode steps take `bf16_dot_linear` on the GGUF blocks too, from two rows
+  (`bf16_mode_block_linear`, and `bf16_decoder_layers` with it).
 - `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
   layer's small ops, one call each instead of a chain of torch calls.
 - `decoder_layers` (csrc/decoder_layer.cpp): the ops above for the decoder layers of a pure
@@ -29,8 +31,9 @@
 - Not ours but torch's: oneDNN's linear on weights packed once at load (`onednn_linear`), for
   the layers' steps of `ONEDNN_MIN_ROWS` rows and more, where it beats both MKL and our kernel.
   In bfloat16 mode (`model_ops(torch.bfloat16)`) the packed weight is bfloat16 and oneDNN
-  takes the steps of `BF16_ONEDNN_MIN_ROWS` rows and more, the GGUF blocks the fewer (float32
-  arithmetic), and every step of a layer without blocks (`onednn_bf16_linear`). The attention
+  takes the steps of `BF16_ONEDNN_MIN_ROWS` rows and more, the GGUF blocks the fewer
+  (`bf16_mode_block_linear`: bfloat16 products from two rows, float32 arithmetic for one), and
+  every step of a layer without blocks (`onednn_bf16_linear`). The attention
   ops read a float32 or a bfloat16 KV cache.
 
 The last five reach the model as a `ModelOps` (model/ops.py), whose plain-torch set
@@ -82,11 +85,10 @@ SMALL_BATCH_MAX_ROWS = 512
 # alignment" (whole steps).
 ONEDNN_MIN_ROWS = 32
 # In bfloat16 mode, from this many rows oneDNN's bfloat16 linear takes a layer's steps from the
-# C++ kernel on its GGUF blocks: below, the kernel (AVX-512, blocks expanded in registers) is the
-# faster and keeps decode in float32 arithmetic. Measured: docs/benchmarks-log.md, "bfloat16
-# mode with the AVX-512 block kernel, and the 10-row threshold" (against the earlier AVX2
-# kernel: "bfloat16 mode").
-BF16_ONEDNN_MIN_ROWS = 10
+# C++ kernels on its GGUF blocks (`bf16_mode_block_linear`): below, they read fewer bytes and
+# expand the blocks in registers, with bfloat16 products from two rows as oneDNN's. Measured in
+# whole steps: docs/benchmarks-log.md, "bfloat16 products for decode steps of 2-19 rows".
+BF16_ONEDNN_MIN_ROWS = 20
 # The LM head (49152 x 576) is a shape MKL handles poorly: the C++ kernel is faster up to
 # 1024 rows at least (measured: docs/benchmarks-log.md, "Decode steps: the C++ ops against
 # plain torch").
@@ -166,10 +168,14 @@ class CppOps:
     # (x, float32 weight, bias), one order per element: on dequantized blocks, block_quantized_linear's bits
     dequantized_linear: Callable[..., torch.Tensor]
     bf16_dot_linear: Callable[..., torch.Tensor]  # (x, weight or blocks, ggml_type or -1, bias), one order each
+    # (x, blocks, ggml_type, bias, int8_activations): bfloat16 mode's few-row steps on GGUF blocks
+    bf16_mode_block_linear: Callable[..., torch.Tensor]
     round_to_bf16: Callable[[torch.Tensor], torch.Tensor]  # a float32 weight as bf16_dot_linear reads it
-    deterministic_bf16_supported: Callable[[], bool]  # whether bf16_dot_linear runs here (AVX512_BF16)
+    bf16_dot_supported: Callable[[], bool]  # whether bf16_dot_linear runs here (AVX512_BF16)
     deterministic_decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # with deterministic float32
-    bf16_decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # `decoder_layers` with bf16_dot_linear
+    bf16_decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # with bf16_mode_block_linear
+    # `decoder_layers` with bf16_dot_linear and deterministic_decode_attention
+    deterministic_bf16_decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     cpu_has_vnni: Callable[[], bool]  # whether `block_quantized_linear` can take int8_activations here
     cpu_isa: Callable[[], str]  # the instruction set of the kernels that have several: avx512, avx2, portable
     set_cpu_isa: Callable[[str], str]  # another one this CPU has (tests, benchmarks); returns the last
@@ -199,7 +205,8 @@ class CppOps:
         return ModelOps(linear=linear, logits=logits, rms_norm=self.rms_norm, int8_activations=int8_activations,
                         add_rms_norm=self.add_rms_norm, rotary=self.rotary_embedding, silu_and_mul=self.silu_and_mul,
                         pack_linear_weight=functools.partial(self.pack_linear_weight, dtype=linear_dtype),
-                        packed_replaces_float=bf16, decoder_layers=self.decoder_layers,
+                        packed_replaces_float=bf16,
+                        decoder_layers=self.bf16_decoder_layers if bf16 else self.decoder_layers,
                         pack_logits_weight=functools.partial(self.pack_linear_weight, dtype=linear_dtype) if bf16 else None,
                         # from there `linear` takes oneDNN
                         decoder_layer_max_rows=(BF16_ONEDNN_MIN_ROWS if bf16 else ONEDNN_MIN_ROWS) - 1)
@@ -219,10 +226,10 @@ class CppOps:
                     int8_activations: bool = False) -> torch.Tensor:
         """F.linear in bfloat16 mode: by oneDNN on the bfloat16 `packed` weight for a batch of
         BF16_ONEDNN_MIN_ROWS rows or more, or of any size where the layer has no `blocks` (its
-        float32 weight was dropped); else as `linear` (the C++ kernel on the blocks, float32)."""
+        float32 weight was dropped); else by `bf16_mode_block_linear` on the blocks."""
         if packed is not None and x.dim() == 2 and (blocks is None or x.shape[0] >= BF16_ONEDNN_MIN_ROWS):
             return self.onednn_bf16_linear(x, packed, bias)
-        return self._linear_up_to(SMALL_BATCH_MAX_ROWS, x, weight, bias, blocks, int8_activations)
+        return self._bf16_blocks_or(SMALL_BATCH_MAX_ROWS, x, weight, bias, blocks, int8_activations)
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                blocks: BlockWeight | None = None, packed: torch.Tensor | None = None, *,
@@ -237,7 +244,13 @@ class CppOps:
         head's bfloat16 `packed` weight from BF16_ONEDNN_MIN_ROWS rows, else as `logits`."""
         if packed is not None and x.dim() == 2 and x.shape[0] >= BF16_ONEDNN_MIN_ROWS:
             return self.onednn_bf16_linear(x, packed, bias)
-        return self.logits(x, weight, bias, blocks, int8_activations=int8_activations)
+        return self._bf16_blocks_or(LOGITS_MAX_ROWS, x, weight, bias, blocks, int8_activations)
+
+    def _bf16_blocks_or(self, max_rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        blocks: BlockWeight | None, int8_activations: bool) -> torch.Tensor:
+        if blocks is not None and x.dim() == 2 and x.shape[0] < BF16_ONEDNN_MIN_ROWS and x.dtype == torch.float32:
+            return self.bf16_mode_block_linear(x, blocks.blocks, blocks.ggml_type, bias, int8_activations)
+        return self._linear_up_to(max_rows, x, weight, bias, blocks, int8_activations)
 
     def _linear_up_to(self, max_rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       blocks: BlockWeight | None, int8_activations: bool = False) -> torch.Tensor:
@@ -311,10 +324,11 @@ def build_cpp_ops() -> CppOps:
                   onednn_linear=onednn_linear, onednn_bf16_linear=onednn_bf16_linear,
                   pack_linear_weight=pack_for_onednn, decoder_layers=module.decoder_layers,
                   dequantized_linear=module.dequantized_linear, bf16_dot_linear=module.bf16_dot_linear,
-                  round_to_bf16=module.round_to_bf16,
-                  deterministic_bf16_supported=module.deterministic_bf16_supported,
+                  bf16_mode_block_linear=module.bf16_mode_block_linear, round_to_bf16=module.round_to_bf16,
+                  bf16_dot_supported=module.bf16_dot_supported,
                   deterministic_decoder_layers=module.deterministic_decoder_layers,
                   bf16_decoder_layers=module.bf16_decoder_layers,
+                  deterministic_bf16_decoder_layers=module.deterministic_bf16_decoder_layers,
                   cpu_has_vnni=module.cpu_has_vnni, cpu_isa=module.cpu_isa,
                   set_cpu_isa=module.set_cpu_isa)
 

@@ -16,7 +16,7 @@ LM head, at every row count, sums each output element in one order (csrc/determi
 
 Norms, rotary and SiLU are per row in the C++ ops already and are shared with the default set.
 The fused decode layers call the kernels above (`deterministic_decoder_layers` in float32 mode,
-`bf16_decoder_layers` in bfloat16 mode), so they serve the pure decode steps of the rows that read
+`deterministic_bf16_decoder_layers` in bfloat16 mode), so they serve the pure decode steps of the rows that read
 blocks, with the per-op path's bits; a layer without blocks is not fused in bfloat16 mode
 (`LlamaModel.set_ops` drops its float weight).
 """
@@ -50,7 +50,7 @@ def deterministic_model_ops(cpp_ops: CppOps, linear_dtype: torch.dtype, int8_act
         raise InvalidRequestError("--deterministic does not combine with --int8-activations (8-bit activations "
                                   "take another kernel): leave one of them off", param="int8_activations")
     bf16 = linear_dtype == torch.bfloat16
-    if bf16 and not cpp_ops.deterministic_bf16_supported():
+    if bf16 and not cpp_ops.bf16_dot_supported():
         raise InvalidRequestError("--deterministic in bfloat16 mode needs AVX-512 with AVX512_BF16, which this CPU "
                                   "lacks: use --dtype float32 with it", param="deterministic")
     if bf16:
@@ -62,7 +62,7 @@ def deterministic_model_ops(cpp_ops: CppOps, linear_dtype: torch.dtype, int8_act
     return ModelOps(linear=linear, logits=linear, rms_norm=cpp_ops.rms_norm, add_rms_norm=cpp_ops.add_rms_norm,
                     rotary=cpp_ops.rotary_embedding, silu_and_mul=cpp_ops.silu_and_mul, pack_linear_weight=pack,
                     packed_replaces_float=bf16, pack_logits_weight=pack if bf16 else None,
-                    decoder_layers=cpp_ops.bf16_decoder_layers if bf16 else cpp_ops.deterministic_decoder_layers,
+                    decoder_layers=cpp_ops.deterministic_bf16_decoder_layers if bf16 else cpp_ops.deterministic_decoder_layers,
                     decoder_layer_max_rows=DETERMINISTIC_BF16_BLOCK_MAX_ROWS if bf16 else DETERMINISTIC_BLOCK_MAX_ROWS)
 
 

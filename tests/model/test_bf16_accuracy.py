@@ -8,6 +8,12 @@ SmolLM2-135M's real weights against transformers in float32 on the same weights,
   fed the same sequence), how often our most likely next token is transformers';
 * the mean KL divergence KL(transformers || ours) of the next-token distributions there.
 
+The mode's linears take two paths by a step's rows (docs/PRECISION.md): oneDNN's bfloat16 GEMM
+from `BF16_ONEDNN_MIN_ROWS`, and below it the GGUF blocks' kernels (bfloat16 products from two
+rows). The free-running outputs decode in steps of 16 rows, and the teacher-forced measures are
+taken both ways: every sequence one prefill, and transformers' tokens fed one decode step of 8
+rows at a time.
+
 The thresholds sit above what was measured (docs/PRECISION.md). The tiny model's check of the same
 path is the default tier's."""
 
@@ -24,6 +30,7 @@ from tests.model.accuracy_support import (
     ACCURACY_PROMPTS,
     hf_greedy,
     kl_per_token,
+    teacher_forced_decode_logits,
     teacher_forced_logits,
     vllm_rule_check,
 )
@@ -42,37 +49,53 @@ def test_bf16_mode_meets_the_accuracy_contract_on_smollm2(hf_default_model, defa
     prompts = [default_tokenizer.encode(text) for text in ACCURACY_PROMPTS]
     reference = hf_greedy(hf_default_model, prompts, NEW_TOKENS)
 
-    # free-running greedy, the 32 requests batched as a server would (decode steps of 32 rows)
-    llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.25, max_num_seqs=32, enable_prefix_caching=False)
+    # free-running greedy, batched as a server would, in decode steps of 16 rows (the blocks' kernels)
+    llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.25, max_num_seqs=16, enable_prefix_caching=False)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5),
                            use_tqdm=False)
     diverged, broken = vllm_rule_check(prompts, reference, outputs)
     broken = [(default_tokenizer.decode(prompt), at) for prompt, at in broken]
 
-    # teacher-forced: our logits on transformers' sequences (prefill rows: bfloat16 linears throughout)
+    # teacher-forced: our logits on transformers' sequences, as prefills (oneDNN) and as decode steps (the blocks)
     source = resolve_model(None)
-    model = load_model(source, load_model_config(source), "bfloat16", 1024)
-    ours = teacher_forced_logits(model, [prompt + tokens[:-1] for prompt, (tokens, _) in zip(prompts, reference)],
-                                 NEW_TOKENS, cpp_ops)
+    config = load_model_config(source)
+    continuations = [tokens for tokens, _ in reference]
+    prefill = teacher_forced_logits(load_model(source, config, "bfloat16", 1024),
+                                    [prompt + tokens[:-1] for prompt, tokens in zip(prompts, continuations)],
+                                    NEW_TOKENS, cpp_ops)
+    decode = teacher_forced_decode_logits(load_model(source, config, "bfloat16", 1024), prompts, continuations,
+                                          cpp_ops)
     hf_logits = torch.cat([logits for _, logits in reference])
-    agreement = float((ours.argmax(-1) == hf_logits.argmax(-1)).float().mean())
-    mean_kl = float(kl_per_token(hf_logits, ours).mean())
+    measured = {path: (float((ours.argmax(-1) == hf_logits.argmax(-1)).float().mean()),
+                       float(kl_per_token(hf_logits, ours).mean())) for path, ours in
+                (("prefill", prefill), ("decode", decode))}
     print(f"bf16 vs transformers fp32: {diverged}/32 greedy outputs diverge within {NEW_TOKENS} tokens, "
-          f"vLLM's rule broken at {len(broken)}; teacher-forced agreement {agreement:.4f}, mean KL {mean_kl:.2e}")
+          f"vLLM's rule broken at {len(broken)}; teacher-forced agreement, mean KL: "
+          + ", ".join(f"{path} {agreement:.4f}, {kl:.2e}" for path, (agreement, kl) in measured.items()))
     assert not broken, f"vLLM's top-5 rule fails for {broken}"
-    assert agreement >= MIN_AGREEMENT
-    assert mean_kl <= MAX_MEAN_KL
+    for agreement, mean_kl in measured.values():
+        assert agreement >= MIN_AGREEMENT
+        assert mean_kl <= MAX_MEAN_KL
 
 
-def test_bf16_mode_on_the_tiny_model_stays_close_to_float32(tiny_gguf, cpp_ops):
-    """The same path on the tiny GGUF (default tier): bfloat16 mode's logits against float32 mode's
-    (which are transformers', tests/model/test_gguf.py) over random sequences, teacher-forced."""
+@pytest.mark.parametrize("path", ["prefill", "decode"])
+def test_bf16_mode_on_the_tiny_model_stays_close_to_float32(tiny_gguf, cpp_ops, path):
+    """The same paths on the tiny GGUF (default tier): bfloat16 mode's logits against float32
+    mode's (which are transformers', tests/model/test_gguf.py) over random sequences,
+    teacher-forced as whole prefills and as decode steps of 4 rows."""
     source = resolve_model(tiny_gguf)
     config = load_model_config(source)
     generator = torch.Generator().manual_seed(0)
     sequences = [torch.randint(3, config.vocab_size, (48,), generator=generator).tolist() for _ in range(4)]
-    float32, bf16 = (teacher_forced_logits(load_model(source, config, dtype, 256), sequences, 48, cpp_ops)
-                     for dtype in ("float32", "bfloat16"))
+
+    def logits(dtype: str) -> torch.Tensor:
+        model = load_model(source, config, dtype, 256)
+        if path == "prefill":
+            return teacher_forced_logits(model, sequences, 48, cpp_ops)
+        return teacher_forced_decode_logits(model, [s[:8] for s in sequences], [s[8:] for s in sequences], cpp_ops)
+
+    float32, bf16 = logits("float32"), logits("bfloat16")
+    assert not torch.equal(float32, bf16)
     assert float((bf16.argmax(-1) == float32.argmax(-1)).float().mean()) >= MIN_TINY_AGREEMENT
     assert float(kl_per_token(float32, bf16).mean()) <= MAX_TINY_MEAN_KL
 

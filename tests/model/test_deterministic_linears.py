@@ -15,7 +15,7 @@ from tests.paged_runner import PagedRunner
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_requests_logits_do_not_depend_on_the_chunk_beside_it(cpp_ops, tiny_gguf, dtype):
-    if dtype == "bfloat16" and not cpp_ops.deterministic_bf16_supported():
+    if dtype == "bfloat16" and not cpp_ops.bf16_dot_supported():
         pytest.skip("deterministic bfloat16 mode needs AVX-512 with AVX512_BF16")
     source = resolve_model(tiny_gguf)
     config = load_model_config(source)

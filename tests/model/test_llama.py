@@ -107,7 +107,7 @@ def test_one_call_layers_read_gguf_blocks_with_the_same_logits(cpp_ops, tiny_ggu
 def test_one_call_layers_give_the_per_part_bits_in_deterministic_mode(cpp_ops, tiny_gguf, dtype):
     """Deterministic mode keeps the one-call layer for the decode rows that read the blocks:
     it calls the kernels the per-part path calls there (bfloat16 mode: bfloat16 products)."""
-    if dtype == "bfloat16" and not cpp_ops.deterministic_bf16_supported():
+    if dtype == "bfloat16" and not cpp_ops.bf16_dot_supported():
         pytest.skip("deterministic bfloat16 mode needs AVX-512 with AVX512_BF16")
     assert_one_call_layers_equal_the_parts(cpp_ops, tiny_gguf, dtype, deterministic=True)
 
@@ -133,7 +133,7 @@ def assert_one_call_layers_equal_the_parts(cpp_ops, model: str, dtype: str = "fl
 
     def runner(name):
         ops = dataclasses.replace(cpp_ops, **{f: counted(name, getattr(cpp_ops, f)) for f in (
-            "decoder_layers", "deterministic_decoder_layers", "bf16_decoder_layers")})
+            "decoder_layers", "deterministic_decoder_layers", "bf16_decoder_layers", "deterministic_bf16_decoder_layers")})
         return PagedRunner(load_model(source, config, dtype, 512), config, cpp_ops=ops, deterministic=deterministic)
 
     stack, per_layer, parts = runner("stack"), runner("layer"), runner("parts")

@@ -7,6 +7,7 @@ tests/attention/test_paged.py."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -40,22 +41,53 @@ def test_bf16_linear_is_within_the_bound_of_float32(rows, features, depth, path)
 
 
 def test_bf16_mode_routes_few_rows_to_the_blocks_and_the_rest_to_bf16_onednn(cpp_ops):
-    """A layer with GGUF blocks computes steps below BF16_ONEDNN_MIN_ROWS rows from them (float32
-    arithmetic on the exact weights), the larger ones by bfloat16 oneDNN; a layer without blocks
-    has only its bfloat16 weight (the float32 one is dropped), so oneDNN takes every step."""
+    """A layer with GGUF blocks, and the LM head, compute steps below BF16_ONEDNN_MIN_ROWS rows
+    from the blocks (`bf16_mode_block_linear`), the larger ones by bfloat16 oneDNN; a layer
+    without blocks has only its bfloat16 weight (the float32 one is dropped), so oneDNN takes
+    every step."""
     routes = []
     ops = dataclasses.replace(
         cpp_ops,
-        block_quantized_linear=lambda x, *rest: routes.append(("blocks", x.shape[0])) or torch.zeros(x.shape[0], 16),
+        bf16_mode_block_linear=lambda x, *rest: routes.append(("blocks", x.shape[0])) or torch.zeros(x.shape[0], 16),
         onednn_bf16_linear=lambda x, packed, bias: routes.append(("bf16", x.shape[0])) or torch.zeros(x.shape[0], 16),
         small_batch_linear=lambda *args: pytest.fail("the float32 weight was read"),
     ).model_ops(torch.bfloat16)
-    assert ops.packed_replaces_float
+    assert ops.packed_replaces_float and ops.decoder_layers is cpp_ops.bf16_decoder_layers
     blocks, _ = quantized(torch.randn(16, 64), "Q8_0")
     weight, packed = torch.empty(16, 64, device="meta"), torch.empty(0)  # neither is read: the recorders stand in
     for rows in (1, BF16_ONEDNN_MIN_ROWS - 1, BF16_ONEDNN_MIN_ROWS, SMALL_BATCH_MAX_ROWS + 1):
         ops.linear(torch.randn(rows, 64), weight, None, blocks, packed)
     for rows in (1, 300):
         ops.linear(torch.randn(rows, 64), weight, None, None, packed)
+    for rows in (2, BF16_ONEDNN_MIN_ROWS):
+        ops.logits(torch.randn(rows, 64), weight, None, blocks, packed)
     assert routes == [("blocks", 1), ("blocks", BF16_ONEDNN_MIN_ROWS - 1), ("bf16", BF16_ONEDNN_MIN_ROWS),
-                      ("bf16", SMALL_BATCH_MAX_ROWS + 1), ("bf16", 1), ("bf16", 300)]
+                      ("bf16", SMALL_BATCH_MAX_ROWS + 1), ("bf16", 1), ("bf16", 300),
+                      ("blocks", 2), ("bf16", BF16_ONEDNN_MIN_ROWS)]
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_bf16_mode_multiplies_the_blocks_of_two_or_more_rows_in_bfloat16(cpp_ops, type_name):
+    """A decode step of one row keeps float32 arithmetic on the exact weights; from two rows the
+    blocks' products are bfloat16 (bf16_dot_linear's bits), within the bound of float32; with
+    --int8-activations every row count keeps the 8-bit kernel."""
+    if not cpp_ops.bf16_dot_supported():
+        pytest.skip("bfloat16 products need AVX-512 with AVX512_BF16")
+    generator = torch.Generator().manual_seed(7)
+    blocks, floats = quantized(torch.randn(96, 576, generator=generator), type_name)
+    bias = torch.randn(96, generator=generator)
+    few_rows = functools.partial(cpp_ops.bf16_mode_block_linear, blocks=blocks.blocks, ggml_type=blocks.ggml_type,
+                                 bias=bias)
+    for rows in (1, 2, BF16_ONEDNN_MIN_ROWS - 1):
+        x = torch.randn(rows, 576, generator=generator)
+        got = few_rows(x)
+        float32 = cpp_ops.block_quantized_linear(x, blocks.blocks, blocks.ggml_type, bias, False)
+        if rows == 1:
+            assert torch.equal(got, float32)
+        else:
+            assert torch.equal(got, cpp_ops.bf16_dot_linear(x, blocks.blocks, blocks.ggml_type, bias))
+            assert not torch.equal(got, float32)
+        assert nmse(got, F.linear(x, floats, bias)) < NMSE_BOUND
+        if cpp_ops.cpu_has_vnni():
+            assert torch.equal(few_rows(x, int8_activations=True),
+                               cpp_ops.block_quantized_linear(x, blocks.blocks, blocks.ggml_type, bias, True))

@@ -78,9 +78,9 @@ def test_the_fused_decode_layer_serves_only_the_rows_that_read_blocks(cpp_ops):
     float32 = cpp_ops.model_ops(torch.float32, deterministic=True)
     assert float32.decoder_layers is cpp_ops.deterministic_decoder_layers
     assert 0 < float32.decoder_layer_max_rows <= DETERMINISTIC_BLOCK_MAX_ROWS
-    if cpp_ops.deterministic_bf16_supported():
+    if cpp_ops.bf16_dot_supported():
         bf16 = cpp_ops.model_ops(torch.bfloat16, deterministic=True)
-        assert bf16.decoder_layers is cpp_ops.bf16_decoder_layers
+        assert bf16.decoder_layers is cpp_ops.deterministic_bf16_decoder_layers
         assert 0 < bf16.decoder_layer_max_rows <= DETERMINISTIC_BF16_BLOCK_MAX_ROWS
 
 

@@ -84,7 +84,8 @@ def test_int8_mode_quantizes_the_rows_the_block_kernel_serves(cpp_ops, linear_dt
         calls.append((x.shape[0], int8_activations))
         return torch.zeros(x.shape[0], 16)
 
-    ops = model_ops_for(dataclasses.replace(cpp_ops, block_quantized_linear=recording_kernel), linear_dtype, True)
+    ops = model_ops_for(dataclasses.replace(cpp_ops, block_quantized_linear=recording_kernel,
+                                            bf16_mode_block_linear=recording_kernel), linear_dtype, True)
     assert ops.int8_activations
     blocks, weight = quantized(torch.randn(16, 64), "Q8_0")
     packed = ops.pack_linear_weight(weight)

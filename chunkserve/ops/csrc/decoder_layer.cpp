@@ -34,10 +34,17 @@ torch::Tensor deterministic_float32_linear(const torch::Tensor& x, const torch::
   return weight.size(1) % kBlockWeights == 0 ? dequantized_linear(x, weight, bias) : small_batch_linear(x, weight, bias);
 }
 
-// Deterministic bfloat16 mode's: bfloat16 products on the GGUF blocks (its only fusable weights).
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t type, bool /*int8*/,
+// bfloat16 mode's: the GGUF blocks (its only fusable weights) by the rows' kernel.
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t type, bool int8_activations,
                           const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(type >= 0, "bf16_decoder_layers: GGUF block weights only");
+  return bf16_mode_block_linear(x, weight, type, bias, int8_activations);
+}
+
+// Deterministic bfloat16 mode's: bfloat16 products on the GGUF blocks (its only fusable weights).
+torch::Tensor deterministic_bf16_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t type, bool /*int8*/,
+                          const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(type >= 0, "deterministic_bf16_decoder_layers: GGUF block weights only");
   return bf16_dot_linear(x, weight, type, bias);
 }
 
@@ -137,7 +144,19 @@ std::tuple<torch::Tensor, torch::Tensor> bf16_decoder_layers(
     std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
     std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
     int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations) {
-  return layers_with(bf16_linear, deterministic_decode_attention, hidden, residual, cos, sin, k_caches, v_caches,
+  return layers_with(bf16_linear, paged_decode_attention, hidden, residual, cos, sin, k_caches, v_caches,
+                     slot_mapping, block_tables, context_lens, block_size, weights, types, qkv_biases, input_norms,
+                     post_attention_norms, eps, num_heads, num_kv_heads, scale, int8_activations);
+}
+
+std::tuple<torch::Tensor, torch::Tensor> deterministic_bf16_decoder_layers(
+    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
+    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
+    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
+    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
+    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
+    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations) {
+  return layers_with(deterministic_bf16_linear, deterministic_decode_attention, hidden, residual, cos, sin, k_caches, v_caches,
                      slot_mapping, block_tables, context_lens, block_size, weights, types, qkv_biases, input_norms,
                      post_attention_norms, eps, num_heads, num_kv_heads, scale, int8_activations);
 }

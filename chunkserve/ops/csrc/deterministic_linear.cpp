@@ -264,7 +264,7 @@ void bf16_blocks(const uint16_t* x, int64_t M, int64_t K, const uint8_t* blocks,
 
 }  // namespace
 
-bool deterministic_bf16_supported() { return cpu_has_avx512_bf16(); }
+bool bf16_dot_supported() { return cpu_has_avx512_bf16(); }
 
 torch::Tensor round_to_bf16(torch::Tensor weight) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "round_to_bf16: needs AVX512_BF16, which this CPU lacks");

@@ -18,12 +18,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quantized_linear", &block_quantized_linear, "x @ weight^T (+ bias), the weight as GGUF blocks",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("ggml_type"), pybind11::arg("bias"),
         pybind11::arg("int8_activations") = false, release_gil());
+  m.def("bf16_mode_block_linear", &bf16_mode_block_linear,
+        "bfloat16 mode's x @ weight^T (+ bias) on GGUF blocks for a few rows", pybind11::arg("x"),
+        pybind11::arg("blocks"), pybind11::arg("ggml_type"), pybind11::arg("bias"),
+        pybind11::arg("int8_activations") = false, release_gil());
   m.def("dequantized_linear", &dequantized_linear, "x @ weight^T (+ bias), the bits of the weight's GGUF blocks",
         release_gil());
   m.def("bf16_dot_linear", &bf16_dot_linear, "x @ weight^T (+ bias) in bfloat16, one order per element",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("ggml_type"), pybind11::arg("bias"), release_gil());
   m.def("round_to_bf16", &round_to_bf16, "a float32 weight as bf16_dot_linear reads it", release_gil());
-  m.def("deterministic_bf16_supported", &deterministic_bf16_supported, "whether bf16_dot_linear runs here");
+  m.def("bf16_dot_supported", &bf16_dot_supported, "whether bf16_dot_linear runs here");
   m.def("rms_norm", &rms_norm, "RMS norm over the last dim", release_gil());
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMS norm of the residual", release_gil());
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k, in place", release_gil());
@@ -31,8 +35,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "decoder layers of a pure decode step in one call", release_gil());
   m.def("deterministic_decoder_layers", &deterministic_decoder_layers,
         "decoder_layers with deterministic float32 linears", release_gil());
-  m.def("bf16_decoder_layers", &bf16_decoder_layers, "decoder_layers with deterministic bfloat16 linears",
-        release_gil());
+  m.def("bf16_decoder_layers", &bf16_decoder_layers, "decoder_layers with bfloat16 mode's linears", release_gil());
+  m.def("deterministic_bf16_decoder_layers", &deterministic_bf16_decoder_layers,
+        "decoder_layers with deterministic bfloat16 linears", release_gil());
   m.def("cpu_has_vnni", &cpu_has_vnni, "whether block_quantized_linear can take int8_activations here");
   m.def("cpu_isa", &cpu_isa, "the instruction set the kernels run with: avx512, avx2 or portable");
   m.def("set_cpu_isa", &set_cpu_isa, "run the kernels with another instruction set this CPU has; returns the last");

@@ -36,6 +36,11 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, c10::opt
 // the int8 mode's contract (docs/PRECISION.md) of that, not equal to it.
 torch::Tensor block_quantized_linear(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
                                      c10::optional<torch::Tensor> bias, bool int8_activations);
+// bfloat16 mode's linear on GGUF blocks for a step of a few rows (decode): bf16_dot_linear's
+// bfloat16 products from two rows where this CPU runs it, else (one row, int8_activations, no
+// AVX512_BF16) block_quantized_linear's.
+torch::Tensor bf16_mode_block_linear(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
+                                     c10::optional<torch::Tensor> bias, bool int8_activations);
 
 // Deterministic mode (deterministic_linear.cpp): every output element has one reduction order over
 // K for any number of rows of x and any position of a row among them.
@@ -44,13 +49,13 @@ torch::Tensor block_quantized_linear(torch::Tensor x, torch::Tensor blocks, int6
 torch::Tensor dequantized_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 // bfloat16 mode: x (float32 [M, K]) and the weight rounded to bfloat16, products summed in float32;
 // the weight round_to_bf16's [N, K padded to 32] (ggml_type -1) or GGUF blocks of ggml_type, the
-// same bits from either. Returns float32 [M, N]. Needs AVX512_BF16 (deterministic_bf16_supported).
+// same bits from either. Returns float32 [M, N]. Needs AVX512_BF16 (bf16_dot_supported).
 torch::Tensor bf16_dot_linear(torch::Tensor x, torch::Tensor weight, int64_t ggml_type,
                               c10::optional<torch::Tensor> bias);
 // float32 [N, K] -> bfloat16 [N, K padded to a multiple of 32 with zeros], as bf16_dot_linear reads it.
 torch::Tensor round_to_bf16(torch::Tensor weight);
 // Whether this CPU (and the instruction set set_cpu_isa chose) runs bf16_dot_linear.
-bool deterministic_bf16_supported();
+bool bf16_dot_supported();
 
 // Over the last dim: x * rsqrt(mean(x^2) + eps) * weight. float32.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -94,9 +99,18 @@ std::tuple<torch::Tensor, torch::Tensor> deterministic_decoder_layers(
     std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
     int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
 
+// The same with bfloat16 mode's linears (bf16_mode_block_linear) on GGUF block weights only.
+std::tuple<torch::Tensor, torch::Tensor> bf16_decoder_layers(
+    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
+    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
+    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
+    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
+    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
+    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
+
 // The same with deterministic bfloat16 mode's linears (bf16_dot_linear) on GGUF block weights only, and
 // deterministic_decode_attention.
-std::tuple<torch::Tensor, torch::Tensor> bf16_decoder_layers(
+std::tuple<torch::Tensor, torch::Tensor> deterministic_bf16_decoder_layers(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
     std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,

@@ -14,7 +14,8 @@
 // the floats gguf's `dequantize` gives, and the same dot products run on the buffer: the bytes
 // read from memory shrink 3.8x (Q8_0) to 6.4x (Q4_1) and the arithmetic stays float32. Where
 // the CPU has AVX-512, block_linear_avx512.cpp does the same with the blocks expanded in
-// registers instead.
+// registers instead. bfloat16 mode's few-row steps (bf16_mode_block_linear) take bfloat16
+// products on the same blocks from two rows (deterministic_linear.cpp's bf16_dot_linear).
 #include "block_linear.h"
 #include "cpu_isa.h"
 #include "ops.h"
@@ -31,6 +32,12 @@ namespace {
 
 constexpr int kRowTile = 4;
 constexpr int64_t kSliceBytes = 32 * 1024;
+// bfloat16 mode (bf16_mode_block_linear): from this many rows the blocks' products are bfloat16.
+// One row is bound by expanding the blocks, which the float32 kernel does with fewer instructions
+// (a table lookup per 16 weights); from two rows each expanded block serves more products, and
+// AVX512_BF16's pair dot products take two per instruction. Measured: docs/benchmarks-log.md,
+// "bfloat16 products for decode steps of 2-19 rows".
+constexpr int64_t kBf16DotMinRows = 2;
 
 // Feature tile per row count (benchmarks/kernels/small_batch_linear.py): a tile of R rows x F features
 // keeps R x F independent FMA chains (an FMA waits ~5 cycles for the one before it in its
@@ -246,4 +253,11 @@ torch::Tensor block_quantized_linear(torch::Tensor x, torch::Tensor blocks, int6
   if (ggml_type == kQ8_0) linear_by_slices(x_data, x.size(0), K, BlockWeight<kQ8_0>{data, K}, y_data, N);
   if (bias.has_value()) y.add_(*bias);
   return y;
+}
+
+torch::Tensor bf16_mode_block_linear(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
+                                     c10::optional<torch::Tensor> bias, bool int8_activations) {
+  if (int8_activations || x.dim() != 2 || x.size(0) < kBf16DotMinRows || !bf16_dot_supported())
+    return block_quantized_linear(x, blocks, ggml_type, bias, int8_activations);
+  return bf16_dot_linear(x, blocks, ggml_type, bias);
 }
