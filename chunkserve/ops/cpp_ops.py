@@ -34,7 +34,8 @@
   takes the steps of `BF16_ONEDNN_MIN_ROWS` rows and more, the GGUF blocks the fewer
   (`bf16_mode_block_linear`: bfloat16 products from two rows, float32 arithmetic for one), and
   every step of a layer without blocks (`onednn_bf16_linear`). The attention
-  ops read a float32 or a bfloat16 KV cache.
+  ops read a float32 or a bfloat16 KV cache; over a bfloat16 one the prefill op multiplies in
+  bfloat16 where the CPU has AVX512_BF16 (outside deterministic mode).
 
 The last five reach the model as a `ModelOps` (model/ops.py), whose plain-torch set
 `TORCH_OPS` they are tested against.

@@ -86,17 +86,31 @@ def test_in_place_prefill_chunks_equal_the_torch_reference(cpp_ops, cpu_isa, hea
     dividing, a key tile; with each instruction set the CPU has."""
     q, k_cache, v_cache, scheduled, tokens = mixed_step(heads, kv_heads, head_dim, block_size)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
-    reference = paged_attention(q, k_cache, v_cache, build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size).attn, 0.125)
+    reference_batch = build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size)
+    reference = paged_attention(q, k_cache, v_cache, reference_batch.attn, 0.125)
     batch = build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size, cpp_ops.attention_kernels())
     assert all(chunk.key_slots is None and chunk.mask is None for chunk in batch.attn.prefills)  # nothing gathered
     in_place = paged_attention(q, k_cache, v_cache, batch.attn, 0.125)
-    torch.testing.assert_close(in_place, reference, rtol=1e-5, atol=1e-5)
+    if kv_dtype == torch.bfloat16 and bf16_products(cpp_ops, cpu_isa, head_dim):
+        # the chunks' products in bfloat16: against the reference on the same bfloat16 queries, the
+        # probabilities' rounding apart; and within the per-op bound of the float32 queries' result
+        rounded_queries = paged_attention(q.bfloat16().float(), k_cache, v_cache, reference_batch.attn, 0.125)
+        torch.testing.assert_close(in_place, rounded_queries, rtol=0, atol=1e-2)
+        assert nmse(in_place, reference) < NMSE_BOUND
+    else:
+        torch.testing.assert_close(in_place, reference, rtol=1e-5, atol=1e-5)
+
+
+def bf16_products(cpp_ops, cpu_isa: str, head_dim: int) -> bool:
+    """Whether the prefill op multiplies a bfloat16 cache's chunks in bfloat16 (csrc/prefill_attention.cpp)."""
+    return cpu_isa == "avx512" and cpp_ops.bf16_dot_supported() and head_dim % 64 == 0
 
 
 @pytest.mark.parametrize("step", ["decode", "mixed"])
 def test_bf16_kv_attention_is_within_the_bound_of_float32(cpp_ops, step):
     """The C++ ops over the bfloat16 rounding of a cache against the same ops over the float32
-    cache (SmolLM2's heads: 9 over 3 kv heads of 64)."""
+    cache (SmolLM2's heads: 9 over 3 kv heads of 64); the prefill chunks' products in bfloat16
+    where the CPU has AVX512_BF16."""
     q, k_cache, v_cache, scheduled, tokens = decode_step(9, 3, 64) if step == "decode" else mixed_step(9, 3, 64, 16)
     attn = build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE, cpp_ops.attention_kernels()).attn
     float32 = paged_attention(q, k_cache, v_cache, attn, 0.125)

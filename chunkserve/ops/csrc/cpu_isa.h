@@ -12,6 +12,9 @@
 enum class CpuIsa { kPortable, kAvx2, kAvx512 };
 
 #define CHUNKSERVE_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+// The same with AVX512_BF16's pair dot products; run only where bf16_dot_supported() (ops.h).
+#define CHUNKSERVE_AVX512_BF16_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
 // The best this CPU runs, or the one set by `set_cpu_isa`.
 CpuIsa active_cpu_isa();

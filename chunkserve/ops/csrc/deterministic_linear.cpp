@@ -30,11 +30,8 @@
 #include <memory>
 #include <vector>
 
-// The tiles are compiled once for both sources with this target; the float32 ones use no
-// bfloat16 instruction, so they run on AVX-512 CPUs without AVX512_BF16 too.
-#define CHUNKSERVE_AVX512_BF16_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
-
+// The tiles are compiled once for both sources with CHUNKSERVE_AVX512_BF16_TARGET; the float32
+// ones use no bfloat16 instruction, so they run on AVX-512 CPUs without AVX512_BF16 too.
 namespace {
 
 constexpr int kRowTile = 8;

@@ -21,7 +21,13 @@
 //
 // The cache is float32 or bfloat16 (kv_element.h): a tile's keys, and for bfloat16 its values,
 // are widened to float32 as they are copied into the tile's buffers, so the products above run
-// on float32 alone.
+// on float32 alone. Except in bfloat16 mode's default path (a bfloat16 cache, not deterministic,
+// AVX512_BF16, D a multiple of 64): there the two products are AVX512_BF16 pair dot products,
+// two per lane and instruction, on the cached bfloat16 keys and values as they are, the queries
+// and the probabilities rounded to bfloat16 and every sum in float32 (the scores, the softmax,
+// the weighted value sums): half the instructions of the float32 products, which are most of a
+// long prompt's attention. The tile's keys are stored as pairs of dimensions per key (a 32-bit
+// transpose), its values as pairs of keys per column.
 //
 // Deterministic mode (issue 42): a row's arithmetic is already a function of its absolute
 // position alone (key tiles at absolute positions 0, 64, ...; one online-softmax order; keys
@@ -214,6 +220,66 @@ void tile_values(const float* probs, int64_t rows, const float* const* values, i
   }
 }
 
+// ----- bfloat16 products (bfloat16 cache, default mode, AVX512_BF16) ---------------------------
+
+// Pair p of a row: its bfloat16 elements 2p (low half) and 2p + 1 (high half), as one 32-bit lane.
+using Bf16Pair = uint32_t;
+
+// scores[r][k] = sum_p query_pairs[r][p] . key_pairs[p][k] (each a pair dot product, float32
+// sums), for Rows rows and the tile's kKeyTile keys; the tile's 64 keys in four registers per pair.
+template <int Rows>
+CHUNKSERVE_AVX512_BF16_TARGET void tile_scores_bf16(const Bf16Pair* const* query_pairs, const Bf16Pair* key_pairs,
+                                                    int64_t D, float* scores) {
+  __m512 acc[Rows][4];
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < D / 2; ++p) {
+    const Bf16Pair* keys = key_pairs + p * kKeyTile;
+    __m512bh k[4];
+    for (int v = 0; v < 4; ++v) k[v] = (__m512bh)_mm512_loadu_si512(keys + 16 * v);
+#pragma GCC unroll 6
+    for (int r = 0; r < Rows; ++r) {
+      const __m512bh query = (__m512bh)_mm512_set1_epi32(static_cast<int>(query_pairs[r][p]));
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], query, k[v]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(scores + r * kKeyTile + 16 * v, acc[r][v]);
+}
+
+// acc_r += sum_k probs[r][k] * value_k for Rows rows, `keys` keys and D a multiple of 64: the
+// probabilities rounded to bfloat16 pairs of keys, each against its keys' value pair of a column
+// (value_pairs[k / 2][c]), 64 columns at a time in four registers a row.
+template <int Rows>
+CHUNKSERVE_AVX512_BF16_TARGET void tile_values_bf16(const float* probs, const Bf16Pair* value_pairs, int64_t keys,
+                                                    int64_t D, float* const* acc) {
+  alignas(64) Bf16Pair prob_pairs[Rows][kKeyTile / 2];
+  for (int r = 0; r < Rows; ++r)
+    for (int64_t k = 0; k < kKeyTile; k += 32)  // probabilities k .. k + 31 in order: the low 16 from the second
+      _mm512_store_si512(prob_pairs[r] + k / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(probs + r * kKeyTile + k + 16),
+                                                                              _mm512_loadu_ps(probs + r * kKeyTile + k)));
+  const int64_t pairs = (keys + 1) / 2;
+  for (int64_t c = 0; c < D; c += 64) {
+    __m512 sum[Rows][4];
+    for (int r = 0; r < Rows; ++r)
+      for (int v = 0; v < 4; ++v) sum[r][v] = _mm512_loadu_ps(acc[r] + c + 16 * v);
+    for (int64_t p = 0; p < pairs; ++p) {
+      const Bf16Pair* values = value_pairs + p * D + c;
+      __m512bh value[4];
+      for (int v = 0; v < 4; ++v) value[v] = (__m512bh)_mm512_loadu_si512(values + 16 * v);
+#pragma GCC unroll 6
+      for (int r = 0; r < Rows; ++r) {
+        const __m512bh prob = (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[r][p]));
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) sum[r][v] = _mm512_dpbf16_ps(sum[r][v], prob, value[v]);
+      }
+    }
+    for (int r = 0; r < Rows; ++r)
+      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc[r] + c + 16 * v, sum[r][v]);
+  }
+}
+
 // The 16 rows r[0 .. 15] of a 16 x 16 block transposed in place: afterwards r[c] lane i holds what
 // r[i] lane c held. Interleaved pairs, then 4 x 4 blocks within 128-bit lanes, then the lanes.
 CHUNKSERVE_AVX512_TARGET inline void transpose16(__m512 r[16]) {
@@ -258,6 +324,41 @@ CHUNKSERVE_AVX512_TARGET void transpose_keys_avx512(const T* const* rows, int64_
 
 CHUNKSERVE_AVX512_TARGET inline void widen_row_avx512(const c10::BFloat16* row, int64_t D, float* out) {
   for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, kv::load16(row + d));
+}
+
+// key_pairs[p * kKeyTile + k] = pair p of key row k, for k < keys, and 0 past them (D a multiple of
+// 32): the rows as 32-bit lanes, each 16 keys x 16 pairs block transposed in registers.
+CHUNKSERVE_AVX512_BF16_TARGET void pair_keys_bf16(const c10::BFloat16* const* rows, int64_t keys, int64_t D,
+                                                  Bf16Pair* key_pairs) {
+  for (int64_t k0 = 0; k0 < kKeyTile; k0 += 16) {
+    for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+      __m512 r[16];
+      for (int64_t i = 0; i < 16; ++i)
+        r[i] = k0 + i < keys ? _mm512_castsi512_ps(_mm512_loadu_si512(rows[k0 + i] + 2 * p0)) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t c = 0; c < 16; ++c) _mm512_storeu_ps(reinterpret_cast<float*>(key_pairs + (p0 + c) * kKeyTile + k0), r[c]);
+    }
+  }
+}
+
+// value_pairs[p * D + c] = (element c of value row 2p, of value row 2p + 1), for 2p < keys (a
+// missing row 2p + 1 is zeros; D a multiple of 32): two rows interleaved element by element.
+CHUNKSERVE_AVX512_BF16_TARGET void pair_values_bf16(const c10::BFloat16* const* rows, int64_t keys, int64_t D,
+                                                    Bf16Pair* value_pairs) {
+  alignas(64) uint16_t low[32], high[32];  // element i of the first and of the second 16 output lanes
+  for (int i = 0; i < 16; ++i) {
+    low[2 * i] = i, low[2 * i + 1] = 32 + i;
+    high[2 * i] = 16 + i, high[2 * i + 1] = 48 + i;
+  }
+  const __m512i first = _mm512_load_si512(low), second = _mm512_load_si512(high);
+  for (int64_t p = 0; 2 * p < keys; ++p) {
+    for (int64_t c = 0; c < D; c += 32) {
+      const __m512i even = _mm512_loadu_si512(rows[2 * p] + c);
+      const __m512i odd = 2 * p + 1 < keys ? _mm512_loadu_si512(rows[2 * p + 1] + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(value_pairs + p * D + c, _mm512_permutex2var_epi16(even, first, odd));
+      _mm512_storeu_si512(value_pairs + p * D + c + 16, _mm512_permutex2var_epi16(even, second, odd));
+    }
+  }
 }
 
 // One cache line into L1, as an instruction the optimizer keeps: GCC 12 drops __builtin_prefetch
@@ -319,20 +420,56 @@ void load_tile(const Problem<T>& p, int64_t j, int64_t tile, int64_t keys, const
     for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + k] = k < keys ? kv::widen(rows[k][d]) : 0.f;
 }
 
+// load_tile for bfloat16 products: the tile's keys into key_pairs and its values into
+// value_pairs, as the cache holds them (no widening); the rows of `next` prefetched.
+void load_tile_pairs(const Problem<c10::BFloat16>& p, int64_t j, int64_t tile, int64_t keys,
+                     const Upcoming<c10::BFloat16>& next, Bf16Pair* key_pairs, Bf16Pair* value_pairs) {
+  const c10::BFloat16* key_rows[kKeyTile];
+  const c10::BFloat16* value_rows[kKeyTile];
+  for (int64_t k = 0; k < keys; ++k) {
+    if (k < next.end - next.first) prefetch_row(*next.p, next.j, next.first + k);
+    const int64_t offset = (p.slot(tile + k) * p.KVH + j) * p.D;
+    key_rows[k] = p.k_cache + offset;
+    value_rows[k] = p.v_cache + offset;
+  }
+  for (int64_t k = keys; k < next.end - next.first; ++k) prefetch_row(*next.p, next.j, next.first + k);
+  pair_keys_bf16(key_rows, keys, p.D, key_pairs);
+  pair_values_bf16(value_rows, keys, p.D, value_pairs);
+}
+
+// Each row of x [rows, D] (D a multiple of 32) as its bfloat16 pairs, rounded to nearest even.
+CHUNKSERVE_AVX512_BF16_TARGET void round_to_pairs(const float* x, int64_t D, Bf16Pair* pairs) {
+  for (int64_t d = 0; d < D; d += 32)
+    _mm512_storeu_si512(pairs + d / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + d + 16), _mm512_loadu_ps(x + d)));
+}
+
 // One unit of work, kv head j and positions [first, last) of a chunk: its buffers, and each row's
 // running max, sum and weighted value sum (online softmax), fed one key tile at a time. Where
 // `deterministic`, a micro-tile short of kMicroRows (kHalfRows) rows is padded with rows whose results are
 // dropped, so that every row takes the full micro-tile's code whatever its place: its bits then
-// depend only on its absolute position (the key tiles start at absolute positions already).
+// depend only on its absolute position (the key tiles start at absolute positions already). With
+// `bf16_products` (a bfloat16 cache only) the two products are bfloat16 pair dot products, every
+// micro-tile padded to kMicroRows rows.
 template <typename T>
 class Unit {
  public:
-  Unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, bool avx512, bool deterministic)
+  Unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, bool avx512, bool deterministic,
+       bool bf16_products)
       : p_(p), j_(j), first_(first), rows_((last - first) * p.G), end_key_(p.start + last), avx512_(avx512),
-        deterministic_(deterministic), keys_t_(new float[p.D * kKeyTile]),
-        widened_values_(new float[std::is_same_v<T, float> ? 0 : kKeyTile * p.D]),  // float32 values: read in place
-        padding_acc_(deterministic ? p.D : 0),
-        row_max_(rows_, kNegInf), row_sum_(rows_, 0.f), acc_(rows_ * p.D, 0.f), values_(kKeyTile) {}
+        deterministic_(deterministic), bf16_products_(bf16_products),
+        keys_t_(new float[bf16_products ? 0 : p.D * kKeyTile]),
+        widened_values_(new float[std::is_same_v<T, float> || bf16_products ? 0 : kKeyTile * p.D]),  // float32: in place
+        key_pairs_(new Bf16Pair[bf16_products ? p.D / 2 * kKeyTile : 0]),
+        value_pairs_(new Bf16Pair[bf16_products ? kKeyTile / 2 * p.D : 0]),
+        padding_acc_(deterministic || bf16_products ? p.D : 0),
+        row_max_(rows_, kNegInf), row_sum_(rows_, 0.f), acc_(rows_ * p.D, 0.f), values_(kKeyTile) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (bf16_products_) {
+        query_pairs_.resize(rows_ * p.D / 2);
+        for (int64_t r = 0; r < rows_; ++r) round_to_pairs(p.query(j, first, r), p.D, query_pairs_.data() + r * p.D / 2);
+      }
+    }
+  }
 
   int64_t end_key() const { return end_key_; }  // keys 0 .. end_key - 1 are seen by some row
 
@@ -343,7 +480,11 @@ class Unit {
     const int64_t next = tile + kKeyTile;
     const Upcoming<T> upcoming =
         next < end_key_ ? Upcoming<T>{&p_, j_, next, std::min(next + kKeyTile, end_key_)} : following;
-    load_tile(p_, j_, tile, keys, upcoming, keys_t_.get(), widened_values_.get(), values_.data(), avx512_);
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (bf16_products_) load_tile_pairs(p_, j_, tile, keys, upcoming, key_pairs_.get(), value_pairs_.get());
+    }
+    if (!bf16_products_)
+      load_tile(p_, j_, tile, keys, upcoming, keys_t_.get(), widened_values_.get(), values_.data(), avx512_);
     for (int64_t r0 = 0; r0 < rows_; r0 += kMicroRows) attend_micro_tile(r0, tile, keys);
   }
 
@@ -362,20 +503,26 @@ class Unit {
     const int64_t micro = std::min(kMicroRows, rows_ - r0);
     if (tile > p_.start + first_ + (r0 + micro - 1) / p_.G) return;  // every key is after every row's query
     const bool half = deterministic_ && avx512_ && micro <= kHalfRows;
-    const int64_t computed = !deterministic_ ? micro : half ? kHalfRows : kMicroRows;  // with the padding rows
-    const float* queries[kMicroRows];
+    const int64_t computed =  // with the padding rows
+        bf16_products_ || (deterministic_ && !half) ? kMicroRows : deterministic_ ? kHalfRows : micro;
     float* row_acc[kMicroRows];
-    for (int64_t r = 0; r < computed; ++r) {
-      queries[r] = r < micro ? p_.query(j_, first_, r0 + r) : queries[0];
-      row_acc[r] = r < micro ? acc_.data() + (r0 + r) * p_.D : padding_acc_.data();
+    for (int64_t r = 0; r < computed; ++r) row_acc[r] = r < micro ? acc_.data() + (r0 + r) * p_.D : padding_acc_.data();
+    if (bf16_products_) {
+      const Bf16Pair* query_pairs[kMicroRows];
+      for (int64_t r = 0; r < kMicroRows; ++r) query_pairs[r] = query_pairs_.data() + (r0 + (r < micro ? r : 0)) * p_.D / 2;
+      tile_scores_bf16<kMicroRows>(query_pairs, key_pairs_.get(), p_.D, scores_);
+    } else {
+      const float* queries[kMicroRows];
+      for (int64_t r = 0; r < computed; ++r) queries[r] = p_.query(j_, first_, r0 + (r < micro ? r : 0));
+      tile_scores(queries, computed, keys_t_.get(), p_.D, scores_, avx512_, deterministic_);
     }
-    tile_scores(queries, computed, keys_t_.get(), p_.D, scores_, avx512_, deterministic_);
     std::fill(scores_ + micro * kKeyTile, scores_ + computed * kKeyTile, 0.f);  // padding rows add nothing
     for (int64_t r = 0; r < micro; ++r) {
       const int64_t seen =  // the tile's keys at or before the row's position
           std::clamp<int64_t>(p_.start + first_ + (r0 + r) / p_.G - tile + 1, 0, keys);
       softmax_step(r0 + r, scores_ + r * kKeyTile, seen, row_acc[r]);
     }
+    if (bf16_products_) return tile_values_bf16<kMicroRows>(scores_, value_pairs_.get(), keys, p_.D, row_acc);
     tile_values(scores_, computed, values_.data(), keys, p_.D, row_acc, avx512_, deterministic_);
   }
 
@@ -403,11 +550,13 @@ class Unit {
 
   const Problem<T>& p_;
   const int64_t j_, first_, rows_, end_key_;
-  const bool avx512_, deterministic_;
+  const bool avx512_, deterministic_, bf16_products_;
   // aligned: the vectorized loops over a row's scores never peel by the stack's address
   alignas(64) float scores_[kMicroRows * kKeyTile];
   // written by load_tile before each read: not cleared (a unit of a decode is short; clearing showed)
   std::unique_ptr<float[]> keys_t_, widened_values_;
+  std::unique_ptr<Bf16Pair[]> key_pairs_, value_pairs_;  // bf16_products' tile buffers
+  std::vector<Bf16Pair> query_pairs_;  // bf16_products: the unit's query rows as bfloat16 pairs
   std::vector<float> padding_acc_, row_max_, row_sum_, acc_;
   std::vector<const float*> values_;
 };
@@ -416,8 +565,8 @@ class Unit {
 // `following` are prefetched during its last tile.
 template <typename T>
 void attend_unit(const Problem<T>& p, int64_t j, int64_t first, int64_t last, float* out, bool avx512,
-                 bool deterministic, const Upcoming<T>& following) {
-  Unit<T> unit(p, j, first, last, avx512, deterministic);
+                 bool deterministic, bool bf16_products, const Upcoming<T>& following) {
+  Unit<T> unit(p, j, first, last, avx512, deterministic, bf16_products);
   for (int64_t tile = 0; tile < unit.end_key(); tile += kKeyTile) unit.attend_tile(tile, following);
   unit.finish(out);
 }
@@ -460,12 +609,14 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
                                     block_table.data_ptr<int64_t>(), start, H, KVH, D, H / KVH, block_size,
                                     static_cast<float>(scale)};
     const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+    const bool bf16_products =
+        std::is_same_v<scalar_t, c10::BFloat16> && !deterministic && D % 64 == 0 && bf16_dot_supported();
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       for (int64_t unit = next++; unit < units; unit = next++) {
         const int64_t tile = tiles - 1 - unit / KVH, j = unit % KVH;
         attend_unit(problem, j, tile * kPositionTile, std::min(n, (tile + 1) * kPositionTile), out_data, avx512,
-                    deterministic, Upcoming<scalar_t>{&problem, j, 0, 0});
+                    deterministic, bf16_products, Upcoming<scalar_t>{&problem, j, 0, 0});
       }
     });
   });
@@ -510,7 +661,7 @@ torch::Tensor deterministic_decode_attention(torch::Tensor q, torch::Tensor k_ca
             following < units ? Upcoming<scalar_t>{&rows[order[following / KVH]], following % KVH, 0,
                                                    std::min(kKeyTile, lens[order[following / KVH]])}
                               : Upcoming<scalar_t>{&rows[b], j, 0, 0};
-        attend_unit(rows[b], j, 0, 1, out_data + b * H * D, avx512, true, upcoming);
+        attend_unit(rows[b], j, 0, 1, out_data + b * H * D, avx512, true, false, upcoming);
       }
     });
   });
