@@ -255,10 +255,12 @@ template <int Rows>
 CHUNKSERVE_AVX512_BF16_TARGET void tile_values_bf16(const float* probs, const Bf16Pair* value_pairs, int64_t keys,
                                                     int64_t D, float* const* acc) {
   alignas(64) Bf16Pair prob_pairs[Rows][kKeyTile / 2];
-  for (int r = 0; r < Rows; ++r)
+  for (int r = 0; r < Rows; ++r) {
+    const float* row = probs + r * kKeyTile;
     for (int64_t k = 0; k < kKeyTile; k += 32)  // probabilities k .. k + 31 in order: the low 16 from the second
-      _mm512_store_si512(prob_pairs[r] + k / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(probs + r * kKeyTile + k + 16),
-                                                                              _mm512_loadu_ps(probs + r * kKeyTile + k)));
+      _mm512_store_si512(prob_pairs[r] + k / 2,
+                         (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + k + 16), _mm512_loadu_ps(row + k)));
+  }
   const int64_t pairs = (keys + 1) / 2;
   for (int64_t c = 0; c < D; c += 64) {
     __m512 sum[Rows][4];
@@ -336,7 +338,8 @@ CHUNKSERVE_AVX512_BF16_TARGET void pair_keys_bf16(const c10::BFloat16* const* ro
       for (int64_t i = 0; i < 16; ++i)
         r[i] = k0 + i < keys ? _mm512_castsi512_ps(_mm512_loadu_si512(rows[k0 + i] + 2 * p0)) : _mm512_setzero_ps();
       transpose16(r);
-      for (int64_t c = 0; c < 16; ++c) _mm512_storeu_ps(reinterpret_cast<float*>(key_pairs + (p0 + c) * kKeyTile + k0), r[c]);
+      for (int64_t c = 0; c < 16; ++c)
+        _mm512_storeu_ps(reinterpret_cast<float*>(key_pairs + (p0 + c) * kKeyTile + k0), r[c]);
     }
   }
 }
@@ -437,10 +440,11 @@ void load_tile_pairs(const Problem<c10::BFloat16>& p, int64_t j, int64_t tile, i
   pair_values_bf16(value_rows, keys, p.D, value_pairs);
 }
 
-// Each row of x [rows, D] (D a multiple of 32) as its bfloat16 pairs, rounded to nearest even.
+// A row x of D floats (D a multiple of 32) as its bfloat16 pairs, rounded to nearest even.
 CHUNKSERVE_AVX512_BF16_TARGET void round_to_pairs(const float* x, int64_t D, Bf16Pair* pairs) {
   for (int64_t d = 0; d < D; d += 32)
-    _mm512_storeu_si512(pairs + d / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + d + 16), _mm512_loadu_ps(x + d)));
+    _mm512_storeu_si512(pairs + d / 2,
+                        (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + d + 16), _mm512_loadu_ps(x + d)));
 }
 
 // One unit of work, kv head j and positions [first, last) of a chunk: its buffers, and each row's
@@ -458,7 +462,8 @@ class Unit {
       : p_(p), j_(j), first_(first), rows_((last - first) * p.G), end_key_(p.start + last), avx512_(avx512),
         deterministic_(deterministic), bf16_products_(bf16_products),
         keys_t_(new float[bf16_products ? 0 : p.D * kKeyTile]),
-        widened_values_(new float[std::is_same_v<T, float> || bf16_products ? 0 : kKeyTile * p.D]),  // float32: in place
+        // float32 values are read in place
+        widened_values_(new float[std::is_same_v<T, float> || bf16_products ? 0 : kKeyTile * p.D]),
         key_pairs_(new Bf16Pair[bf16_products ? p.D / 2 * kKeyTile : 0]),
         value_pairs_(new Bf16Pair[bf16_products ? kKeyTile / 2 * p.D : 0]),
         padding_acc_(deterministic || bf16_products ? p.D : 0),
@@ -466,7 +471,8 @@ class Unit {
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (bf16_products_) {
         query_pairs_.resize(rows_ * p.D / 2);
-        for (int64_t r = 0; r < rows_; ++r) round_to_pairs(p.query(j, first, r), p.D, query_pairs_.data() + r * p.D / 2);
+        for (int64_t r = 0; r < rows_; ++r)
+          round_to_pairs(p.query(j, first, r), p.D, query_pairs_.data() + r * p.D / 2);
       }
     }
   }
@@ -509,7 +515,8 @@ class Unit {
     for (int64_t r = 0; r < computed; ++r) row_acc[r] = r < micro ? acc_.data() + (r0 + r) * p_.D : padding_acc_.data();
     if (bf16_products_) {
       const Bf16Pair* query_pairs[kMicroRows];
-      for (int64_t r = 0; r < kMicroRows; ++r) query_pairs[r] = query_pairs_.data() + (r0 + (r < micro ? r : 0)) * p_.D / 2;
+      for (int64_t r = 0; r < kMicroRows; ++r)
+        query_pairs[r] = query_pairs_.data() + (r0 + (r < micro ? r : 0)) * p_.D / 2;
       tile_scores_bf16<kMicroRows>(query_pairs, key_pairs_.get(), p_.D, scores_);
     } else {
       const float* queries[kMicroRows];
