@@ -323,13 +323,15 @@ def build_cpp_ops() -> CppOps:
                   rms_norm=module.rms_norm, add_rms_norm=module.add_rms_norm,
                   rotary_embedding=module.rotary_embedding, silu_and_mul=module.silu_and_mul,
                   onednn_linear=onednn_linear, onednn_bf16_linear=onednn_bf16_linear,
-                  pack_linear_weight=pack_for_onednn, decoder_layers=module.decoder_layers,
+                  pack_linear_weight=pack_for_onednn,
+                  # one C++ entry; each mode's set of kernels is named by its first argument (csrc/ops.h)
+                  decoder_layers=functools.partial(module.decoder_layers, "float32"),
                   dequantized_linear=module.dequantized_linear, bf16_dot_linear=module.bf16_dot_linear,
                   bf16_mode_block_linear=module.bf16_mode_block_linear, round_to_bf16=module.round_to_bf16,
                   bf16_dot_supported=module.bf16_dot_supported,
-                  deterministic_decoder_layers=module.deterministic_decoder_layers,
-                  bf16_decoder_layers=module.bf16_decoder_layers,
-                  deterministic_bf16_decoder_layers=module.deterministic_bf16_decoder_layers,
+                  deterministic_decoder_layers=functools.partial(module.decoder_layers, "deterministic_float32"),
+                  bf16_decoder_layers=functools.partial(module.decoder_layers, "bfloat16"),
+                  deterministic_bf16_decoder_layers=functools.partial(module.decoder_layers, "deterministic_bfloat16"),
                   cpu_has_vnni=module.cpu_has_vnni, cpu_isa=module.cpu_isa,
                   set_cpu_isa=module.set_cpu_isa)
 

@@ -86,6 +86,11 @@ def test_decoder_layers_names_arguments_that_do_not_make_whole_layers(cpp_ops):
                                torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
                                torch.ones(1, dtype=torch.int32), 16, weights, [-1] * 4, [None], [norm], [norm], 1e-6,
                                1, 1, 0.5, False)
+    with pytest.raises(RuntimeError, match="kernels must be float32, bfloat16, .* got float16"):
+        cpp_ops.decoder_layers.func("float16", hidden, None, torch.ones(1, 2), torch.zeros(1, 2), [cache], [cache],
+                                    torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
+                                    torch.ones(1, dtype=torch.int32), 16, weights, [-1] * 4, [None], [norm], [norm],
+                                    1e-6, 1, 1, 0.5, False)
 
 
 def test_block_quantized_linear_names_a_bad_type_or_shape(cpp_ops):

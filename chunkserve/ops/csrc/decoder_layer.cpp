@@ -10,6 +10,9 @@
 #include "block_linear.h"
 #include "ops.h"
 
+#include <string>
+#include <utility>
+
 namespace {
 
 using LinearFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& weight, int64_t type,
@@ -110,53 +113,28 @@ std::tuple<torch::Tensor, torch::Tensor> layers_with(
   return {hidden, *residual};
 }
 
+// The linear and the attention kernels of each named set (decoder_layers' `kernels`).
+std::pair<LinearFn, AttentionFn> kernels_named(const std::string& name) {
+  if (name == "float32") return {float32_linear, paged_decode_attention};
+  if (name == "bfloat16") return {bf16_linear, paged_decode_attention};
+  if (name == "deterministic_float32") return {deterministic_float32_linear, deterministic_decode_attention};
+  if (name == "deterministic_bfloat16") return {deterministic_bf16_linear, deterministic_decode_attention};
+  TORCH_CHECK(false, "decoder_layers: kernels must be float32, bfloat16, deterministic_float32 or "
+              "deterministic_bfloat16, got ", name);
+}
+
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> decoder_layers(
-    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
-    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
-    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
-    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
-    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations) {
-  return layers_with(float32_linear, paged_decode_attention, hidden, residual, cos, sin, k_caches, v_caches,
-                     slot_mapping, block_tables, context_lens, block_size, weights, types, qkv_biases, input_norms,
-                     post_attention_norms, eps, num_heads, num_kv_heads, scale, int8_activations);
-}
-
-std::tuple<torch::Tensor, torch::Tensor> deterministic_decoder_layers(
-    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
-    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
-    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
-    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
-    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations) {
-  return layers_with(deterministic_float32_linear, deterministic_decode_attention, hidden, residual, cos, sin,
-                     k_caches, v_caches, slot_mapping, block_tables, context_lens, block_size, weights, types,
-                     qkv_biases, input_norms, post_attention_norms, eps, num_heads, num_kv_heads, scale,
-                     int8_activations);
-}
-
-std::tuple<torch::Tensor, torch::Tensor> bf16_decoder_layers(
-    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
-    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
-    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
-    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
-    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations) {
-  return layers_with(bf16_linear, paged_decode_attention, hidden, residual, cos, sin, k_caches, v_caches,
-                     slot_mapping, block_tables, context_lens, block_size, weights, types, qkv_biases, input_norms,
-                     post_attention_norms, eps, num_heads, num_kv_heads, scale, int8_activations);
-}
-
-std::tuple<torch::Tensor, torch::Tensor> deterministic_bf16_decoder_layers(
-    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
-    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
-    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
-    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
-    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations) {
-  return layers_with(deterministic_bf16_linear, deterministic_decode_attention, hidden, residual, cos, sin, k_caches, v_caches,
-                     slot_mapping, block_tables, context_lens, block_size, weights, types, qkv_biases, input_norms,
-                     post_attention_norms, eps, num_heads, num_kv_heads, scale, int8_activations);
+    const std::string& kernels, torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos,
+    torch::Tensor sin, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+    torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+    std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+    std::vector<c10::optional<torch::Tensor>> qkv_biases, std::vector<torch::Tensor> input_norms,
+    std::vector<torch::Tensor> post_attention_norms, double eps, int64_t num_heads, int64_t num_kv_heads,
+    double scale, bool int8_activations) {
+  const auto [linear, attention] = kernels_named(kernels);
+  return layers_with(linear, attention, hidden, residual, cos, sin, k_caches, v_caches, slot_mapping, block_tables,
+                     context_lens, block_size, weights, types, qkv_biases, input_norms, post_attention_norms, eps,
+                     num_heads, num_kv_heads, scale, int8_activations);
 }

@@ -32,12 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMS norm of the residual", release_gil());
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k, in place", release_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half", release_gil());
-  m.def("decoder_layers", &decoder_layers, "decoder layers of a pure decode step in one call", release_gil());
-  m.def("deterministic_decoder_layers", &deterministic_decoder_layers,
-        "decoder_layers with deterministic float32 linears", release_gil());
-  m.def("bf16_decoder_layers", &bf16_decoder_layers, "decoder_layers with bfloat16 mode's linears", release_gil());
-  m.def("deterministic_bf16_decoder_layers", &deterministic_bf16_decoder_layers,
-        "decoder_layers with deterministic bfloat16 linears", release_gil());
+  m.def("decoder_layers", &decoder_layers, "decoder layers of a pure decode step in one call, with a mode's kernels",
+        release_gil());
   m.def("cpu_has_vnni", &cpu_has_vnni, "whether block_quantized_linear can take int8_activations here");
   m.def("cpu_isa", &cpu_isa, "the instruction set the kernels run with: avx512, avx2 or portable");
   m.def("set_cpu_isa", &set_cpu_isa, "run the kernels with another instruction set this CPU has; returns the last");

@@ -3,6 +3,8 @@
 
 #include <torch/extension.h>
 
+#include <string>
+
 // q: [B, heads, head_dim]; caches: [num_slots, kv_heads, head_dim]; block_tables: [B, max_blocks]
 // (int64); context_lens: [B] (int64). Returns [B, heads, head_dim]. q and the result float32, the
 // caches float32 or bfloat16 (widened as read: the arithmetic is float32).
@@ -79,44 +81,21 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 // linears qkv, o, gate_up, down as weights[4i .. 4i + 3], each GGUF blocks (types[4i + j] its ggml
 // type) or a float32 [out, in] weight (type -1); int8_activations as block_quantized_linear's, for
 // the blocks. Writes this step's K/V at slot_mapping in every layer's cache and returns (the last
-// layer's MLP output, the stream before it).
+// layer's MLP output, the stream before it). `kernels` names the mode's linears and attention:
+// - "float32": the blocks by block_quantized_linear, a float32 weight by small_batch_linear;
+//   paged_decode_attention;
+// - "bfloat16": the blocks (its only fusable weights) by bf16_mode_block_linear; paged_decode_attention;
+// - "deterministic_float32": the blocks by block_quantized_linear (float32 activations), a float32
+//   weight by dequantized_linear where K is a multiple of 32; deterministic_decode_attention;
+// - "deterministic_bfloat16": the blocks by bf16_dot_linear; deterministic_decode_attention.
 std::tuple<torch::Tensor, torch::Tensor> decoder_layers(
-    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
-    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
-    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
-    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
-    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
-
-// The same with deterministic float32 mode's linears and attention (deterministic_decode_attention):
-// the blocks by block_quantized_linear (float32 activations), a float32 weight by dequantized_linear
-// where K is a multiple of 32.
-std::tuple<torch::Tensor, torch::Tensor> deterministic_decoder_layers(
-    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
-    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
-    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
-    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
-    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
-
-// The same with bfloat16 mode's linears (bf16_mode_block_linear) on GGUF block weights only.
-std::tuple<torch::Tensor, torch::Tensor> bf16_decoder_layers(
-    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
-    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
-    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
-    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
-    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
-
-// The same with deterministic bfloat16 mode's linears (bf16_dot_linear) on GGUF block weights only, and
-// deterministic_decode_attention.
-std::tuple<torch::Tensor, torch::Tensor> deterministic_bf16_decoder_layers(
-    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
-    torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, std::vector<torch::Tensor> weights,
-    std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> qkv_biases,
-    std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_attention_norms, double eps,
-    int64_t num_heads, int64_t num_kv_heads, double scale, bool int8_activations);
+    const std::string& kernels, torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos,
+    torch::Tensor sin, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+    torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+    std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+    std::vector<c10::optional<torch::Tensor>> qkv_biases, std::vector<torch::Tensor> input_norms,
+    std::vector<torch::Tensor> post_attention_norms, double eps, int64_t num_heads, int64_t num_kv_heads,
+    double scale, bool int8_activations);
 
 // Whether this CPU runs block_quantized_linear's int8_activations (AVX-512 with VNNI).
 bool cpu_has_vnni();
