@@ -8,11 +8,12 @@ SmolLM2-135M's real weights against transformers in float32 on the same weights,
   fed the same sequence), how often our most likely next token is transformers';
 * the mean KL divergence KL(transformers || ours) of the next-token distributions there.
 
-The mode's linears take two paths by a step's rows (docs/PRECISION.md): oneDNN's bfloat16 GEMM
-from `BF16_ONEDNN_MIN_ROWS`, and below it the GGUF blocks' kernels (bfloat16 products from two
-rows). The free-running outputs decode in steps of 16 rows, and the teacher-forced measures are
-taken both ways: every sequence one prefill, and transformers' tokens fed one decode step of 8
-rows at a time.
+The mode's linears take three paths by a step's rows (docs/PRECISION.md): oneDNN's bfloat16 GEMM
+from `BF16_ONEDNN_MIN_ROWS`, below it the GGUF blocks' kernel (bfloat16 products), and for one row
+the kernel on the blocks repacked for it (x rounded to bfloat16, the weights exact). The
+free-running outputs decode in steps of 16 rows, and the teacher-forced measures are taken three
+ways: every sequence one prefill, and transformers' tokens fed as decode steps of 8 rows and of
+one row.
 
 The thresholds sit above what was measured (docs/PRECISION.md). The tiny model's check of the same
 path is the default tier's."""
@@ -63,12 +64,12 @@ def test_bf16_mode_meets_the_accuracy_contract_on_smollm2(hf_default_model, defa
     prefill = teacher_forced_logits(load_model(source, config, "bfloat16", 1024),
                                     [prompt + tokens[:-1] for prompt, tokens in zip(prompts, continuations)],
                                     NEW_TOKENS, cpp_ops)
-    decode = teacher_forced_decode_logits(load_model(source, config, "bfloat16", 1024), prompts, continuations,
-                                          cpp_ops)
+    decode = {rows: teacher_forced_decode_logits(load_model(source, config, "bfloat16", 1024), prompts,
+                                                 continuations, cpp_ops, group=rows) for rows in (8, 1)}
     hf_logits = torch.cat([logits for _, logits in reference])
     measured = {path: (float((ours.argmax(-1) == hf_logits.argmax(-1)).float().mean()),
                        float(kl_per_token(hf_logits, ours).mean())) for path, ours in
-                (("prefill", prefill), ("decode", decode))}
+                (("prefill", prefill), ("decode 8 rows", decode[8]), ("decode 1 row", decode[1]))}
     print(f"bf16 vs transformers fp32: {diverged}/32 greedy outputs diverge within {NEW_TOKENS} tokens, "
           f"vLLM's rule broken at {len(broken)}; teacher-forced agreement, mean KL: "
           + ", ".join(f"{path} {agreement:.4f}, {kl:.2e}" for path, (agreement, kl) in measured.items()))
@@ -78,11 +79,11 @@ def test_bf16_mode_meets_the_accuracy_contract_on_smollm2(hf_default_model, defa
         assert mean_kl <= MAX_MEAN_KL
 
 
-@pytest.mark.parametrize("path", ["prefill", "decode"])
+@pytest.mark.parametrize("path", ["prefill", "decode 4 rows", "decode 1 row"])
 def test_bf16_mode_on_the_tiny_model_stays_close_to_float32(tiny_gguf, cpp_ops, path):
     """The same paths on the tiny GGUF (default tier): bfloat16 mode's logits against float32
     mode's (which are transformers', tests/model/test_gguf.py) over random sequences,
-    teacher-forced as whole prefills and as decode steps of 4 rows."""
+    teacher-forced as whole prefills and as decode steps of 4 rows and of one."""
     source = resolve_model(tiny_gguf)
     config = load_model_config(source)
     generator = torch.Generator().manual_seed(0)
@@ -92,7 +93,8 @@ def test_bf16_mode_on_the_tiny_model_stays_close_to_float32(tiny_gguf, cpp_ops, 
         model = load_model(source, config, dtype, 256)
         if path == "prefill":
             return teacher_forced_logits(model, sequences, 48, cpp_ops)
-        return teacher_forced_decode_logits(model, [s[:8] for s in sequences], [s[8:] for s in sequences], cpp_ops)
+        return teacher_forced_decode_logits(model, [s[:8] for s in sequences], [s[8:] for s in sequences], cpp_ops,
+                                            group=4 if path == "decode 4 rows" else 1)
 
     float32, bf16 = logits("float32"), logits("bfloat16")
     assert not torch.equal(float32, bf16)
