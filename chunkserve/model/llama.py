@@ -150,7 +150,7 @@ class FusedLayers:
 
     weights: list[torch.Tensor]  # qkv, o, gate_up, down of each layer in turn: GGUF blocks or float32 weights
     types: list[int]  # their ggml types, -1 for a float32 weight
-    one_rows: list[torch.Tensor | None]  # their blocks' `BlockWeight.one_row`, where they have it
+    interleaved: list[torch.Tensor | None]  # their blocks' `BlockWeight.interleaved`, where they have it
     qkv_biases: list[torch.Tensor | None]
     input_norms: list[torch.Tensor]
     post_attention_norms: list[torch.Tensor]
@@ -167,7 +167,7 @@ class FusedLayers:
         first = layers[0]
         return cls(weights=[w for layer in layers for w in layer.weights],
                    types=[t for layer in layers for t in layer.types],
-                   one_rows=[w for layer in layers for w in layer.one_rows],
+                   interleaved=[w for layer in layers for w in layer.interleaved],
                    qkv_biases=[b for layer in layers for b in layer.qkv_biases],
                    input_norms=[n for layer in layers for n in layer.input_norms],
                    post_attention_norms=[n for layer in layers for n in layer.post_attention_norms],
@@ -186,7 +186,7 @@ class FusedLayers:
                  meta: AttentionMetadata, group: DecodeGroup) -> tuple[torch.Tensor, torch.Tensor]:
         return ops.decoder_layers(
             hidden, residual, *rotary, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
-            group.block_tables, group.context_lens, meta.block_size, self.weights, self.types, self.one_rows,
+            group.block_tables, group.context_lens, meta.block_size, self.weights, self.types, self.interleaved,
             self.qkv_biases,
             self.input_norms, self.post_attention_norms, self.eps, self.num_heads, self.num_kv_heads, self.scale,
             ops.int8_activations)
@@ -219,7 +219,7 @@ class DecoderLayer(nn.Module, UsesOps):
         self.fused = FusedLayers(
             weights=[layer.weight if layer.blocks is None else layer.blocks.blocks for layer in linears],
             types=[-1 if layer.blocks is None else layer.blocks.ggml_type for layer in linears],
-            one_rows=[None if layer.blocks is None else layer.blocks.one_row for layer in linears],
+            interleaved=[None if layer.blocks is None else layer.blocks.interleaved for layer in linears],
             qkv_biases=[attention.qkv_proj.bias], input_norms=[self.input_layernorm.weight],
             post_attention_norms=[self.post_attention_layernorm.weight], eps=self.input_layernorm.eps,
             num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads, scale=attention.scale)
@@ -285,12 +285,12 @@ class LlamaModel(nn.Module, UsesOps):
             if isinstance(module, UsesOps):
                 module.ops = ops
             if isinstance(module, Linear):
-                module.blocks = _with_one_row(ops, module.blocks)
+                module.blocks = _with_interleaved(ops, module.blocks)
             if isinstance(module, Linear) and module is not self.lm_head:  # the head goes through ops.logits
                 module.packed = ops.pack_linear_weight(module.weight)
                 if module.packed is not None and (module.blocks is not None or ops.packed_replaces_float):
                     module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
-        self.embedding_blocks = _with_one_row(ops, self.embedding_blocks)
+        self.embedding_blocks = _with_interleaved(ops, self.embedding_blocks)
         for layer in self.layers:
             layer.fuse_for_decode()
         self.fused_layers = FusedLayers.stack([layer.fused for layer in self.layers])
@@ -413,11 +413,11 @@ class LlamaModel(nn.Module, UsesOps):
                 source.put(f"{dst}self_attn.{norm}.weight", source.take(f"{src}self_attn.{norm}.weight"))
 
 
-def _with_one_row(ops: ModelOps, blocks: BlockWeight | None) -> BlockWeight | None:
-    """`blocks` with the layout of `ops`' one-row kernel beside the file's, where the ops have one."""
-    if blocks is None or ops.pack_blocks_for_one_row is None:
+def _with_interleaved(ops: ModelOps, blocks: BlockWeight | None) -> BlockWeight | None:
+    """`blocks` with their copy interleaved for `ops`' decode kernel beside the file's, where the ops have one."""
+    if blocks is None or ops.pack_interleaved_blocks is None:
         return blocks
-    return dataclasses.replace(blocks, one_row=ops.pack_blocks_for_one_row(blocks))
+    return dataclasses.replace(blocks, interleaved=ops.pack_interleaved_blocks(blocks))
 
 
 def _head_rows(heads: range, head_dim: int) -> range:

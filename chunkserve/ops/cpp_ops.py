@@ -21,12 +21,12 @@
   linears (`model_ops(deterministic=True)`, deterministic_ops.py), one reduction order per
   output element for every row count; `deterministic_decoder_layers` and
   `deterministic_bf16_decoder_layers` are `decoder_layers` (below) with them. bfloat16 mode's
-  decode steps take `bf16_dot_linear` on the GGUF blocks too, from two rows
-  (`bf16_mode_block_linear`, and `bf16_decoder_layers` with it).
-- `one_row_bf16_linear` (csrc/one_row_bf16_linear.cpp): bfloat16 mode's steps of one row, on the
-  GGUF blocks repacked once at load (`pack_blocks_for_one_row`, `BlockWeight.one_row`: a second
-  copy of the blocks' bytes) so that each SIMD lane works for one output feature and a thread
-  streams its weights front to back; AVX512_BF16 pair dot products on the exact weights.
+  decode steps take `bf16_dot_linear` on the GGUF blocks too, from two rows, where a weight has
+  no interleaved copy (below; `bf16_mode_block_linear`, and `bf16_decoder_layers` with it).
+- `interleaved_bf16_linear` (csrc/interleaved_bf16_linear.cpp): bfloat16 mode's decode steps on
+  the GGUF blocks interleaved once at load (`pack_interleaved_blocks`, `BlockWeight.interleaved`:
+  a second copy of the blocks' bytes) so that each SIMD lane works for one output feature and a
+  thread streams its weights front to back; AVX512_BF16 pair dot products on the exact weights.
 - `rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul` (csrc/elementwise.cpp): a
   layer's small ops, one call each instead of a chain of torch calls.
 - `decoder_layers` (csrc/decoder_layer.cpp): the ops above for the decoder layers of a pure
@@ -36,7 +36,7 @@
   the layers' steps of `ONEDNN_MIN_ROWS` rows and more, where it beats both MKL and our kernel.
   In bfloat16 mode (`model_ops(torch.bfloat16)`) the packed weight is bfloat16 and oneDNN
   takes the steps of `BF16_ONEDNN_MIN_ROWS` rows and more, the GGUF blocks the fewer
-  (`bf16_mode_block_linear`: bfloat16 products, one row by `one_row_bf16_linear`), and
+  (`bf16_mode_block_linear`: bfloat16 products by `interleaved_bf16_linear`), and
   every step of a layer without blocks (`onednn_bf16_linear`). The attention
   ops read a float32 or a bfloat16 KV cache; over a bfloat16 one the prefill op multiplies in
   bfloat16 where the CPU has AVX512_BF16 (outside deterministic mode).
@@ -76,7 +76,7 @@ _SOURCES = [os.path.join(_CSRC, name)
             for name in ("ops.cpp", "cpu_isa.cpp", "paged_attention.cpp", "prefill_attention.cpp",
                          "small_batch_linear.cpp", "block_linear_avx512.cpp", "block_linear_vnni.cpp",
                          "elementwise.cpp", "decoder_layer.cpp", "deterministic_linear.cpp",
-                         "one_row_bf16_linear.cpp")]
+                         "interleaved_bf16_linear.cpp")]
 
 # Up to this many rows the C++ linear beats or equals MKL on the layer shapes of SmolLM2-135M
 # here, in the layers alone (benchmarks/kernels/small_batch_linear.py) and in whole steps
@@ -91,12 +91,12 @@ SMALL_BATCH_MAX_ROWS = 512
 # alignment" (whole steps).
 ONEDNN_MIN_ROWS = 32
 # In bfloat16 mode, from this many rows oneDNN's bfloat16 linear takes a layer's steps from the
-# C++ kernels on its GGUF blocks (`bf16_mode_block_linear`): below, they read fewer bytes and
-# expand the blocks in registers, with bfloat16 products from two rows as oneDNN's. Measured in
-# whole steps: docs/benchmarks-log.md, "bfloat16 products for decode steps of 2-19 rows".
-BF16_ONEDNN_MIN_ROWS = 20
-# one_row_bf16_linear reads the features of a weight in records of this many (csrc/one_row_bf16_linear.cpp).
-ONE_ROW_FEATURES = 16
+# C++ kernels on its GGUF blocks (`bf16_mode_block_linear`): below, they read fewer bytes, with
+# bfloat16 products as oneDNN's. Measured in whole steps: docs/benchmarks-log.md, "bfloat16
+# products for decode steps of 2-19 rows" and "Decode rows on interleaved blocks".
+BF16_ONEDNN_MIN_ROWS = 32
+# interleaved_bf16_linear reads a weight's features in records of this many (csrc/interleaved_bf16_linear.cpp).
+INTERLEAVED_FEATURES = 16
 # The LM head (49152 x 576) is a shape MKL handles poorly: the C++ kernel is faster up to
 # 1024 rows at least (measured: docs/benchmarks-log.md, "Decode steps: the C++ ops against
 # plain torch").
@@ -176,11 +176,11 @@ class CppOps:
     # (x, float32 weight, bias), one order per element: on dequantized blocks, block_quantized_linear's bits
     dequantized_linear: Callable[..., torch.Tensor]
     bf16_dot_linear: Callable[..., torch.Tensor]  # (x, weight or blocks, ggml_type or -1, bias), one order each
-    # (x, blocks, ggml_type, bias, int8_activations, one_row): bfloat16 mode's few-row steps on GGUF blocks
+    # (x, blocks, ggml_type, bias, int8_activations, interleaved): bfloat16 mode's few-row steps on GGUF blocks
     bf16_mode_block_linear: Callable[..., torch.Tensor]
-    # (blocks, ggml_type) -> the blocks in one_row_bf16_linear's layout (N a multiple of 16)
-    pack_blocks_for_one_row: Callable[[torch.Tensor, int], torch.Tensor]
-    one_row_bf16_linear: Callable[..., torch.Tensor]  # (x [1, K], packed, ggml_type, bias), bfloat16 products
+    # (blocks, ggml_type) -> the blocks in interleaved_bf16_linear's layout (N a multiple of 16)
+    pack_interleaved_blocks: Callable[[torch.Tensor, int], torch.Tensor]
+    interleaved_bf16_linear: Callable[..., torch.Tensor]  # (x [M, K], packed, ggml_type, bias), bfloat16 products
     round_to_bf16: Callable[[torch.Tensor], torch.Tensor]  # a float32 weight as bf16_dot_linear reads it
     bf16_dot_supported: Callable[[], bool]  # whether bf16_dot_linear runs here (AVX512_BF16)
     deterministic_decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # with deterministic float32
@@ -217,18 +217,19 @@ class CppOps:
                         add_rms_norm=self.add_rms_norm, rotary=self.rotary_embedding, silu_and_mul=self.silu_and_mul,
                         pack_linear_weight=functools.partial(self.pack_linear_weight, dtype=linear_dtype),
                         packed_replaces_float=bf16,
-                        pack_blocks_for_one_row=self._pack_for_one_row if bf16 and not int8_activations else None,
+                        pack_interleaved_blocks=self._pack_interleaved if bf16 and not int8_activations else None,
                         decoder_layers=self.bf16_decoder_layers if bf16 else self.decoder_layers,
                         pack_logits_weight=functools.partial(self.pack_linear_weight, dtype=linear_dtype) if bf16 else None,
                         # from there `linear` takes oneDNN
                         decoder_layer_max_rows=(BF16_ONEDNN_MIN_ROWS if bf16 else ONEDNN_MIN_ROWS) - 1)
 
-    def _pack_for_one_row(self, blocks: BlockWeight) -> torch.Tensor | None:
-        """bfloat16 mode's one-row layout of `blocks` where the CPU runs its kernel (AVX512_BF16)
-        and the weight has whole records of 16 features; else None (the file's blocks serve)."""
-        if not self.bf16_dot_supported() or blocks.blocks.shape[0] % ONE_ROW_FEATURES:
+    def _pack_interleaved(self, blocks: BlockWeight) -> torch.Tensor | None:
+        """bfloat16 mode's interleaved copy of `blocks` where the CPU runs its kernel
+        (AVX512_BF16) and the weight has whole records of 16 features; else None (the file's
+        blocks serve)."""
+        if not self.bf16_dot_supported() or blocks.blocks.shape[0] % INTERLEAVED_FEATURES:
             return None
-        return self.pack_blocks_for_one_row(blocks.blocks, blocks.ggml_type)
+        return self.pack_interleaved_blocks(blocks.blocks, blocks.ggml_type)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                blocks: BlockWeight | None = None, packed: torch.Tensor | None = None, *,
@@ -268,7 +269,7 @@ class CppOps:
     def _bf16_blocks_or(self, max_rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         blocks: BlockWeight | None, int8_activations: bool) -> torch.Tensor:
         if blocks is not None and x.dim() == 2 and x.shape[0] < BF16_ONEDNN_MIN_ROWS and x.dtype == torch.float32:
-            return self.bf16_mode_block_linear(x, blocks.blocks, blocks.ggml_type, bias, int8_activations, blocks.one_row)
+            return self.bf16_mode_block_linear(x, blocks.blocks, blocks.ggml_type, bias, int8_activations, blocks.interleaved)
         return self._linear_up_to(max_rows, x, weight, bias, blocks, int8_activations)
 
     def _linear_up_to(self, max_rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -346,8 +347,8 @@ def build_cpp_ops() -> CppOps:
                   decoder_layers=functools.partial(module.decoder_layers, "float32"),
                   dequantized_linear=module.dequantized_linear, bf16_dot_linear=module.bf16_dot_linear,
                   bf16_mode_block_linear=module.bf16_mode_block_linear, round_to_bf16=module.round_to_bf16,
-                  pack_blocks_for_one_row=module.pack_blocks_for_one_row,
-                  one_row_bf16_linear=module.one_row_bf16_linear,
+                  pack_interleaved_blocks=module.pack_interleaved_blocks,
+                  interleaved_bf16_linear=module.interleaved_bf16_linear,
                   bf16_dot_supported=module.bf16_dot_supported,
                   deterministic_decoder_layers=functools.partial(module.decoder_layers, "deterministic_float32"),
                   bf16_decoder_layers=functools.partial(module.decoder_layers, "bfloat16"),

@@ -39,8 +39,8 @@ class BlockWeight:
 
     ggml_type: int
     blocks: Tensor  # uint8 [out_features, in_features // 32 * bytes per block]
-    # the same bytes in the layout of the ops' one-row kernel (`ModelOps.pack_blocks_for_one_row`), or None
-    one_row: Tensor | None = None
+    # the same bytes interleaved for the ops' decode kernel (`ModelOps.pack_interleaved_blocks`), or None
+    interleaved: Tensor | None = None
 
     @staticmethod
     def stack(parts: list[BlockWeight | None]) -> BlockWeight | None:
@@ -80,9 +80,9 @@ class ModelOps:
     # True: `linear` reads a layer's packed weight for every row count, never its float weight
     # (False: only where the layer also has blocks, which serve the rows the packed weight does not)
     packed_replaces_float: bool = False
-    # GGUF blocks -> their `BlockWeight.one_row` layout, which `linear`, `logits` and `decoder_layers`
-    # read for steps of one row, or None (that weight keeps the blocks' kernels); None: no such kernel
-    pack_blocks_for_one_row: Callable[[BlockWeight], Tensor | None] | None = None
+    # GGUF blocks -> their `BlockWeight.interleaved` copy, which `linear`, `logits` and `decoder_layers` read
+    # for decode-sized steps, or None (that weight keeps the blocks' kernels); None: no such kernel
+    pack_interleaved_blocks: Callable[[BlockWeight], Tensor | None] | None = None
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, blocks: BlockWeight | None = None,

@@ -8,12 +8,12 @@ SmolLM2-135M's real weights against transformers in float32 on the same weights,
   fed the same sequence), how often our most likely next token is transformers';
 * the mean KL divergence KL(transformers || ours) of the next-token distributions there.
 
-The mode's linears take three paths by a step's rows (docs/PRECISION.md): oneDNN's bfloat16 GEMM
-from `BF16_ONEDNN_MIN_ROWS`, below it the GGUF blocks' kernel (bfloat16 products), and for one row
-the kernel on the blocks repacked for it (x rounded to bfloat16, the weights exact). The
-free-running outputs decode in steps of 16 rows, and the teacher-forced measures are taken three
-ways: every sequence one prefill, and transformers' tokens fed as decode steps of 8 rows and of
-one row.
+The mode's linears take two paths by a step's rows (docs/PRECISION.md): oneDNN's bfloat16 GEMM
+from `BF16_ONEDNN_MIN_ROWS`, and below it the kernel on the GGUF blocks interleaved at load (x
+rounded to bfloat16, the weights exact), whose one-row and multi-row tiles sum in different
+orders. The free-running outputs decode in steps of 16 rows, and the teacher-forced measures are
+taken three ways: every sequence one prefill, and transformers' tokens fed as decode steps of 8
+rows and of one row.
 
 The thresholds sit above what was measured (docs/PRECISION.md). The tiny model's check of the same
 path is the default tier's."""

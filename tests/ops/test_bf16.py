@@ -74,73 +74,80 @@ def bf16_rounded_product(x: torch.Tensor, floats: torch.Tensor, bias: torch.Tens
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_bf16_mode_multiplies_the_blocks_in_bfloat16(cpp_ops, type_name):
-    """Every decode step's block products are bfloat16, within the bound of float32: one row by
-    the one-row kernel on the repacked blocks (x rounded to bfloat16, the weights exact), from two
-    rows bf16_dot_linear's bits; one row without repacked blocks keeps float32 arithmetic; with
-    --int8-activations every row count keeps the 8-bit kernel."""
+    """Every decode step's block products are bfloat16, within the bound of float32: by the
+    kernel on the interleaved blocks (x rounded to bfloat16, the weights exact) for every row
+    count below oneDNN's; where a weight has no interleaved copy, bf16_dot_linear's bits from two
+    rows and float32 arithmetic for one; with --int8-activations every row count keeps the 8-bit
+    kernel."""
     if not cpp_ops.bf16_dot_supported():
         pytest.skip("bfloat16 products need AVX-512 with AVX512_BF16")
     generator = torch.Generator().manual_seed(7)
     blocks, floats = quantized(torch.randn(96, 576, generator=generator), type_name)
     bias = torch.randn(96, generator=generator)
-    one_row = cpp_ops.pack_blocks_for_one_row(blocks.blocks, blocks.ggml_type)
+    interleaved = cpp_ops.pack_interleaved_blocks(blocks.blocks, blocks.ggml_type)
     few_rows = functools.partial(cpp_ops.bf16_mode_block_linear, blocks=blocks.blocks, ggml_type=blocks.ggml_type,
-                                 bias=bias, one_row=one_row)
+                                 bias=bias, interleaved=interleaved)
     for rows in (1, 2, BF16_ONEDNN_MIN_ROWS - 1):
         x = torch.randn(rows, 576, generator=generator)
         got = few_rows(x)
         float32 = cpp_ops.block_quantized_linear(x, blocks.blocks, blocks.ggml_type, bias, False)
-        if rows == 1:
-            assert torch.equal(got, cpp_ops.one_row_bf16_linear(x, one_row, blocks.ggml_type, bias))
-            torch.testing.assert_close(got.double(), bf16_rounded_product(x, floats, bias), rtol=0, atol=1e-4)
-            assert torch.equal(few_rows(x, one_row=None), float32)
-        else:
-            assert torch.equal(got, cpp_ops.bf16_dot_linear(x, blocks.blocks, blocks.ggml_type, bias))
+        assert torch.equal(got, cpp_ops.interleaved_bf16_linear(x, interleaved, blocks.ggml_type, bias))
+        # outputs of magnitude ~20: float32 sums of the 128-offset weights (Q8_0's two halves) stay within 1e-3
+        torch.testing.assert_close(got.double(), bf16_rounded_product(x, floats, bias), rtol=0, atol=1e-3)
         assert not torch.equal(got, float32)
         assert nmse(got, F.linear(x, floats, bias)) < NMSE_BOUND
+        file_blocks = few_rows(x, interleaved=None)
+        if rows == 1:
+            assert torch.equal(file_blocks, float32)
+        else:
+            assert torch.equal(file_blocks, cpp_ops.bf16_dot_linear(x, blocks.blocks, blocks.ggml_type, bias))
         if cpp_ops.cpu_has_vnni():
             assert torch.equal(few_rows(x, int8_activations=True),
                                cpp_ops.block_quantized_linear(x, blocks.blocks, blocks.ggml_type, bias, True))
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-def test_the_one_row_layout_keeps_every_weight_of_the_file(cpp_ops, type_name):
-    """One-hot rows (exact in bfloat16) pick single weights out of the one-row kernel's product:
-    every value of a nibble or byte, at every position of a block and every feature of a record,
-    must come back as gguf's `dequantize` gives it (to float32 rounding: the kernel applies the
-    scale to an integer sum). The layout has as many bytes as the file's blocks."""
+def test_the_interleaved_layout_keeps_every_weight_of_the_file(cpp_ops, type_name):
+    """One-hot rows (exact in bfloat16) pick single weights out of the interleaved kernel's
+    product: every value of a nibble or byte, at every position of a block and every feature of a
+    record, must come back as gguf's `dequantize` gives it (to float32 rounding: the kernel applies
+    the scale to an integer sum), one row at a time and in steps of 3, 8 and 13 (8 + 5) rows. The layout
+    has as many bytes as the file's blocks."""
     if not cpp_ops.bf16_dot_supported():
-        pytest.skip("the one-row kernel needs AVX-512 with AVX512_BF16")
+        pytest.skip("the interleaved kernel needs AVX-512 with AVX512_BF16")
     generator = torch.Generator().manual_seed(11)
     blocks, floats = quantized(torch.randn(32, 64, generator=generator) * 3, type_name)
-    one_row = cpp_ops.pack_blocks_for_one_row(blocks.blocks, blocks.ggml_type)
-    assert one_row.numel() == blocks.blocks.numel()
-    got = torch.cat([cpp_ops.one_row_bf16_linear(row[None], one_row, blocks.ggml_type, None) for row in torch.eye(64)])
-    torch.testing.assert_close(got, floats.T, rtol=1e-6, atol=1e-6)
+    interleaved = cpp_ops.pack_interleaved_blocks(blocks.blocks, blocks.ggml_type)
+    assert interleaved.numel() == blocks.blocks.numel()
+    one_hot = torch.eye(64)
+    for rows in (1, 3, 8, 13):
+        got = torch.cat([cpp_ops.interleaved_bf16_linear(one_hot[start:start + rows], interleaved, blocks.ggml_type,
+                                                         None) for start in range(0, 64, rows)])
+        torch.testing.assert_close(got, floats.T, rtol=1e-6, atol=1e-6)
 
 
-def test_the_one_row_kernel_names_what_it_cannot_take(cpp_ops):
+def test_the_interleaved_kernel_names_what_it_cannot_take(cpp_ops):
     """A weight whose features are not whole records of 16 keeps the file's blocks (the ops
-    make no one-row layout for it); the kernel itself refuses such blocks, other block types
-    and more than one row, naming them."""
+    make no interleaved copy of it); the kernel itself refuses such blocks, other block types
+    and rows of another depth, naming them."""
     if not cpp_ops.bf16_dot_supported():
-        pytest.skip("the one-row kernel needs AVX-512 with AVX512_BF16")
+        pytest.skip("the interleaved kernel needs AVX-512 with AVX512_BF16")
     odd, _ = quantized(torch.randn(24, 64), "Q4_1")
-    assert cpp_ops._pack_for_one_row(odd) is None
+    assert cpp_ops._pack_interleaved(odd) is None
     with pytest.raises(RuntimeError, match="N a multiple of 16"):
-        cpp_ops.pack_blocks_for_one_row(odd.blocks, odd.ggml_type)
+        cpp_ops.pack_interleaved_blocks(odd.blocks, odd.ggml_type)
     blocks, _ = quantized(torch.randn(32, 64), "Q4_1")
     with pytest.raises(RuntimeError, match="ggml type 12 is not Q4_0"):
-        cpp_ops.pack_blocks_for_one_row(blocks.blocks, 12)
-    one_row = cpp_ops._pack_for_one_row(blocks)
-    with pytest.raises(RuntimeError, match="x must be float32 \\[1, 64\\]"):
-        cpp_ops.one_row_bf16_linear(torch.randn(2, 64), one_row, blocks.ggml_type, None)
+        cpp_ops.pack_interleaved_blocks(blocks.blocks, 12)
+    interleaved = cpp_ops._pack_interleaved(blocks)
+    with pytest.raises(RuntimeError, match="x must be float32 \\[M, 64\\]"):
+        cpp_ops.interleaved_bf16_linear(torch.randn(2, 32), interleaved, blocks.ggml_type, None)
 
 
-def test_only_bf16_mode_without_int8_activations_repacks_the_blocks(cpp_ops):
-    """The one-row layout is an extra copy of the blocks: made where bfloat16 mode reads it, by no
-    other mode."""
-    assert cpp_ops.model_ops(torch.bfloat16).pack_blocks_for_one_row is not None
-    assert cpp_ops.model_ops(torch.bfloat16, int8_activations=True).pack_blocks_for_one_row is None
-    assert cpp_ops.model_ops(torch.float32).pack_blocks_for_one_row is None
-    assert cpp_ops.model_ops(torch.bfloat16, deterministic=True).pack_blocks_for_one_row is None
+def test_only_bf16_mode_without_int8_activations_interleaves_the_blocks(cpp_ops):
+    """The interleaved layout is an extra copy of the blocks: made where bfloat16 mode reads it,
+    by no other mode."""
+    assert cpp_ops.model_ops(torch.bfloat16).pack_interleaved_blocks is not None
+    assert cpp_ops.model_ops(torch.bfloat16, int8_activations=True).pack_interleaved_blocks is None
+    assert cpp_ops.model_ops(torch.float32).pack_interleaved_blocks is None
+    assert cpp_ops.model_ops(torch.bfloat16, deterministic=True).pack_interleaved_blocks is None

@@ -81,13 +81,13 @@ def test_block_quantized_linear_reads_exactly_the_dequantized_weights(cpp_ops, c
 def test_decoder_layers_names_arguments_that_do_not_make_whole_layers(cpp_ops):
     hidden, norm, cache = torch.randn(1, 8), torch.ones(8), torch.zeros(16, 1, 4)
     weights = [torch.randn(12, 8), torch.randn(8, 4), torch.randn(8, 8), torch.randn(8, 4)]
-    with pytest.raises(RuntimeError, match="got 2 K caches, 1 V caches, 4 weights, 4 types, 0 one-row weights, "
+    with pytest.raises(RuntimeError, match="got 2 K caches, 1 V caches, 4 weights, 4 types, 0 interleaved copies, "
                                            "1 biases, 1 and 1 norms"):
         cpp_ops.decoder_layers(hidden, None, torch.ones(1, 2), torch.zeros(1, 2), [cache, cache], [cache],
                                torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
                                torch.ones(1, dtype=torch.int32), 16, weights, [-1] * 4, [], [None], [norm], [norm],
                                1e-6, 1, 1, 0.5, False)
-    with pytest.raises(RuntimeError, match="got 1 K caches, 1 V caches, 4 weights, 4 types, 1 one-row weights"):
+    with pytest.raises(RuntimeError, match="got 1 K caches, 1 V caches, 4 weights, 4 types, 1 interleaved copies"):
         cpp_ops.decoder_layers(hidden, None, torch.ones(1, 2), torch.zeros(1, 2), [cache], [cache],
                                torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
                                torch.ones(1, dtype=torch.int32), 16, weights, [-1] * 4, [None], [None], [norm], [norm],

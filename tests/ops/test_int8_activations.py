@@ -80,7 +80,7 @@ def test_int8_mode_quantizes_the_rows_the_block_kernel_serves(cpp_ops, linear_dt
     kernel's weights without blocks keep their own."""
     calls = []
 
-    def recording_kernel(x, blocks, ggml_type, bias, int8_activations, one_row=None):
+    def recording_kernel(x, blocks, ggml_type, bias, int8_activations, interleaved=None):
         calls.append((x.shape[0], int8_activations))
         return torch.zeros(x.shape[0], 16)
 

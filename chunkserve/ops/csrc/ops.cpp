@@ -21,10 +21,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_mode_block_linear", &bf16_mode_block_linear,
         "bfloat16 mode's x @ weight^T (+ bias) on GGUF blocks for a few rows", pybind11::arg("x"),
         pybind11::arg("blocks"), pybind11::arg("ggml_type"), pybind11::arg("bias"),
-        pybind11::arg("int8_activations") = false, pybind11::arg("one_row") = pybind11::none(), release_gil());
-  m.def("pack_blocks_for_one_row", &pack_blocks_for_one_row, "GGUF blocks repacked for one_row_bf16_linear",
+        pybind11::arg("int8_activations") = false, pybind11::arg("interleaved") = pybind11::none(), release_gil());
+  m.def("pack_interleaved_blocks", &pack_interleaved_blocks, "GGUF blocks repacked for interleaved_bf16_linear",
         release_gil());
-  m.def("one_row_bf16_linear", &one_row_bf16_linear, "x @ weight^T (+ bias) for one row, bfloat16 products",
+  m.def("interleaved_bf16_linear", &interleaved_bf16_linear, "x @ weight^T (+ bias) for a few rows, bfloat16 products",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("ggml_type"), pybind11::arg("bias"), release_gil());
   m.def("dequantized_linear", &dequantized_linear, "x @ weight^T (+ bias), the bits of the weight's GGUF blocks",
         release_gil());

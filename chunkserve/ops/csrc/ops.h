@@ -39,19 +39,19 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight, c10::opt
 torch::Tensor block_quantized_linear(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
                                      c10::optional<torch::Tensor> bias, bool int8_activations);
 // bfloat16 mode's linear on GGUF blocks for a step of a few rows (decode), where this CPU has
-// AVX512_BF16: one row by one_row_bf16_linear on `one_row` (the blocks repacked) where given,
-// bf16_dot_linear's bfloat16 products from two rows; else (int8_activations, no AVX512_BF16, one
-// row without `one_row`) block_quantized_linear's.
+// AVX512_BF16: interleaved_bf16_linear on `interleaved` (the blocks repacked) where given, else
+// bf16_dot_linear's bfloat16 products on the blocks from two rows; else (int8_activations, no
+// AVX512_BF16, one row without `interleaved`) block_quantized_linear's.
 torch::Tensor bf16_mode_block_linear(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
                                      c10::optional<torch::Tensor> bias, bool int8_activations,
-                                     c10::optional<torch::Tensor> one_row);
-// GGUF blocks [N, K / 32 * bytes] (N a multiple of 16) in one_row_bf16_linear's layout
-// (one_row_bf16_linear.cpp): as many bytes, 16 features' blocks of one position together.
-torch::Tensor pack_blocks_for_one_row(torch::Tensor blocks, int64_t ggml_type);
-// x (float32 [1, K]) @ weight^T (+ bias) on pack_blocks_for_one_row's bytes: x rounded to
+                                     c10::optional<torch::Tensor> interleaved);
+// GGUF blocks [N, K / 32 * bytes] (N a multiple of 16) in interleaved_bf16_linear's layout
+// (interleaved_bf16_linear.cpp): as many bytes, 16 features' blocks of one position together.
+torch::Tensor pack_interleaved_blocks(torch::Tensor blocks, int64_t ggml_type);
+// x (float32 [M, K]) @ weight^T (+ bias) on pack_interleaved_blocks' bytes: x rounded to
 // bfloat16, the weights exact, float32 sums. Needs AVX512_BF16 (bf16_dot_supported).
-torch::Tensor one_row_bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t ggml_type,
-                                  c10::optional<torch::Tensor> bias);
+torch::Tensor interleaved_bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t ggml_type,
+                                     c10::optional<torch::Tensor> bias);
 
 // Deterministic mode (deterministic_linear.cpp): every output element has one reduction order over
 // K for any number of rows of x and any position of a row among them.
@@ -88,14 +88,14 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 // before it (None at the first layer: hidden is then the embeddings). Per layer i: k_caches[i] and
 // v_caches[i], qkv_biases[i] (or None), input_norms[i] and post_attention_norms[i], and its four
 // linears qkv, o, gate_up, down as weights[4i .. 4i + 3], each GGUF blocks (types[4i + j] its ggml
-// type) or a float32 [out, in] weight (type -1), and one_rows[4i + j] the blocks as
-// pack_blocks_for_one_row made them or None (`one_rows` may be empty: none for every linear);
+// type) or a float32 [out, in] weight (type -1), and interleaved[4i + j] the blocks as
+// pack_interleaved_blocks made them or None (`interleaved` may be empty: none for every linear);
 // int8_activations as block_quantized_linear's, for the blocks. Writes this step's K/V at slot_mapping in every layer's cache and returns (the last
 // layer's MLP output, the stream before it). `kernels` names the mode's linears and attention:
 // - "float32": the blocks by block_quantized_linear, a float32 weight by small_batch_linear;
 //   paged_decode_attention;
-// - "bfloat16": the blocks (its only fusable weights) by bf16_mode_block_linear, with their one-row
-//   weights; paged_decode_attention;
+// - "bfloat16": the blocks (its only fusable weights) by bf16_mode_block_linear, with their
+//   interleaved copies; paged_decode_attention;
 // - "deterministic_float32": the blocks by block_quantized_linear (float32 activations), a float32
 //   weight by dequantized_linear where K is a multiple of 32; deterministic_decode_attention;
 // - "deterministic_bfloat16": the blocks by bf16_dot_linear; deterministic_decode_attention.
@@ -103,7 +103,7 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layers(
     const std::string& kernels, torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos,
     torch::Tensor sin, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
     torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-    std::vector<torch::Tensor> weights, std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> one_rows,
+    std::vector<torch::Tensor> weights, std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> interleaved,
     std::vector<c10::optional<torch::Tensor>> qkv_biases, std::vector<torch::Tensor> input_norms,
     std::vector<torch::Tensor> post_attention_norms, double eps, int64_t num_heads, int64_t num_kv_heads,
     double scale, bool int8_activations);

@@ -32,12 +32,13 @@ namespace {
 
 constexpr int kRowTile = 4;
 constexpr int64_t kSliceBytes = 32 * 1024;
-// bfloat16 mode (bf16_mode_block_linear): from this many rows the file's blocks' products are
-// bfloat16. One row on the file's blocks is bound by expanding them, which the float32 kernel does
-// with fewer instructions (a table lookup per 16 weights); from two rows each expanded block serves
-// more products, and AVX512_BF16's pair dot products take two per instruction. Measured:
-// docs/benchmarks-log.md, "bfloat16 products for decode steps of 2-19 rows". One row on blocks
-// repacked for it takes one_row_bf16_linear.cpp's kernel instead.
+// bfloat16 mode (bf16_mode_block_linear) on the file's blocks, where a weight has no interleaved
+// copy: from this many rows the products are bfloat16. One row on the file's blocks is bound by
+// expanding them, which the float32 kernel does with fewer instructions (a table lookup per 16
+// weights); from two rows each expanded block serves more products, and AVX512_BF16's pair dot
+// products take two per instruction. Measured: docs/benchmarks-log.md, "bfloat16 products for
+// decode steps of 2-19 rows". The interleaved copy's kernel is faster than either at every row
+// count it takes (docs/benchmarks-log.md, "Decode rows on interleaved blocks").
 constexpr int64_t kBf16DotMinRows = 2;
 
 // Feature tile per row count (benchmarks/kernels/small_batch_linear.py): a tile of R rows x F features
@@ -258,10 +259,10 @@ torch::Tensor block_quantized_linear(torch::Tensor x, torch::Tensor blocks, int6
 
 torch::Tensor bf16_mode_block_linear(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
                                      c10::optional<torch::Tensor> bias, bool int8_activations,
-                                     c10::optional<torch::Tensor> one_row) {
+                                     c10::optional<torch::Tensor> interleaved) {
   if (int8_activations || x.dim() != 2 || !bf16_dot_supported())
     return block_quantized_linear(x, blocks, ggml_type, bias, int8_activations);
-  if (x.size(0) == 1 && one_row.has_value()) return one_row_bf16_linear(x, *one_row, ggml_type, bias);
+  if (interleaved.has_value()) return interleaved_bf16_linear(x, *interleaved, ggml_type, bias);
   if (x.size(0) < kBf16DotMinRows) return block_quantized_linear(x, blocks, ggml_type, bias, false);
   return bf16_dot_linear(x, blocks, ggml_type, bias);
 }
