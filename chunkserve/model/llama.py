@@ -187,9 +187,8 @@ class FusedLayers:
         return ops.decoder_layers(
             hidden, residual, *rotary, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
             group.block_tables, group.context_lens, meta.block_size, self.weights, self.types, self.interleaved,
-            self.qkv_biases,
-            self.input_norms, self.post_attention_norms, self.eps, self.num_heads, self.num_kv_heads, self.scale,
-            ops.int8_activations)
+            self.qkv_biases, self.input_norms, self.post_attention_norms, self.eps, self.num_heads, self.num_kv_heads,
+            self.scale, ops.int8_activations)
 
 
 class DecoderLayer(nn.Module, UsesOps):

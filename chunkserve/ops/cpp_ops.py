@@ -95,7 +95,7 @@ ONEDNN_MIN_ROWS = 32
 # bfloat16 products as oneDNN's. Measured in whole steps: docs/benchmarks-log.md, "bfloat16
 # products for decode steps of 2-19 rows" and "Decode rows on interleaved blocks".
 BF16_ONEDNN_MIN_ROWS = 32
-# interleaved_bf16_linear reads a weight's features in records of this many (csrc/interleaved_bf16_linear.cpp).
+# interleaved_bf16_linear reads a weight's features in records of this many (its csrc file).
 INTERLEAVED_FEATURES = 16
 # The LM head (49152 x 576) is a shape MKL handles poorly: the C++ kernel is faster up to
 # 1024 rows at least (measured: docs/benchmarks-log.md, "Decode steps: the C++ ops against
@@ -269,7 +269,8 @@ class CppOps:
     def _bf16_blocks_or(self, max_rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         blocks: BlockWeight | None, int8_activations: bool) -> torch.Tensor:
         if blocks is not None and x.dim() == 2 and x.shape[0] < BF16_ONEDNN_MIN_ROWS and x.dtype == torch.float32:
-            return self.bf16_mode_block_linear(x, blocks.blocks, blocks.ggml_type, bias, int8_activations, blocks.interleaved)
+            return self.bf16_mode_block_linear(x, blocks.blocks, blocks.ggml_type, bias, int8_activations,
+                                               blocks.interleaved)
         return self._linear_up_to(max_rows, x, weight, bias, blocks, int8_activations)
 
     def _linear_up_to(self, max_rows: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -8,7 +8,7 @@ constexpr int64_t kBlockWeights = 32;
 // The GGML block types, by their ggml_type ids; each holds 32 weights, as gguf's numpy code reads them.
 enum BlockType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
 
-inline int64_t block_bytes(int64_t type) {
+constexpr int64_t block_bytes(int64_t type) {
   switch (type) {
     case kQ4_0: return 18;  // fp16 d, 16 bytes of nibbles: w = (q - 8) * d
     case kQ4_1: return 20;  // fp16 d, fp16 m, 16 bytes of nibbles: w = q * d + m

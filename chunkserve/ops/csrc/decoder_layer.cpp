@@ -26,7 +26,8 @@ using AttentionFn = torch::Tensor (*)(torch::Tensor q, torch::Tensor k_cache, to
 // F.linear through the kernel the Python path picks for a decode-sized batch: the GGUF blocks
 // where the weight has them (type >= 0), else the float32 weight (type < 0).
 torch::Tensor float32_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t type, bool int8_activations,
-                             const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& /*interleaved*/) {
+                             const c10::optional<torch::Tensor>& bias,
+                             const c10::optional<torch::Tensor>& /*interleaved*/) {
   return type >= 0 ? block_quantized_linear(x, weight, type, bias, int8_activations)
                    : small_batch_linear(x, weight, bias);
 }
@@ -48,8 +49,8 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight, i
 }
 
 // Deterministic bfloat16 mode's: bfloat16 products on the GGUF blocks (its only fusable weights).
-torch::Tensor deterministic_bf16_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t type, bool /*int8*/,
-                                        const c10::optional<torch::Tensor>& bias,
+torch::Tensor deterministic_bf16_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t type,
+                                        bool /*int8*/, const c10::optional<torch::Tensor>& bias,
                                         const c10::optional<torch::Tensor>& /*interleaved*/) {
   TORCH_CHECK(type >= 0, "deterministic_bf16_decoder_layers: GGUF block weights only");
   return bf16_dot_linear(x, weight, type, bias);
@@ -61,8 +62,8 @@ std::tuple<torch::Tensor, torch::Tensor> layer_with(
     LinearFn linear, AttentionFn attention, torch::Tensor hidden, const c10::optional<torch::Tensor>& residual,
     const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
     const torch::Tensor& slot_mapping, const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-    int64_t block_size, const torch::Tensor* weights, const int64_t* types, const c10::optional<torch::Tensor>* interleaved,
-    const c10::optional<torch::Tensor>& qkv_bias,
+    int64_t block_size, const torch::Tensor* weights, const int64_t* types,
+    const c10::optional<torch::Tensor>* interleaved, const c10::optional<torch::Tensor>& qkv_bias,
     const torch::Tensor& input_norm, const torch::Tensor& post_attention_norm, double eps, int64_t num_heads,
     int64_t num_kv_heads, double scale, bool int8_activations) {
   const int64_t rows = hidden.size(0), head_dim = k_cache.size(2);
@@ -105,10 +106,11 @@ std::tuple<torch::Tensor, torch::Tensor> layers_with(
     double scale, bool int8_activations) {
   const size_t layers = k_caches.size();
   TORCH_CHECK(layers > 0 && v_caches.size() == layers && weights.size() == 4 * layers && types.size() == 4 * layers &&
-                  (interleaved.empty() || interleaved.size() == 4 * layers) && qkv_biases.size() == layers && input_norms.size() == layers && post_attention_norms.size() == layers,
+                  (interleaved.empty() || interleaved.size() == 4 * layers) && qkv_biases.size() == layers &&
+                  input_norms.size() == layers && post_attention_norms.size() == layers,
               "decoder_layers: per layer a K and a V cache, four linears (qkv, o, gate_up, down: a weight and its "
-              "ggml type, -1 for float32, and an interleaved copy or None, or no interleaved copies at all), a qkv bias or "
-              "None and two norms; got ", k_caches.size(), " K caches, ", v_caches.size(), " V caches, ",
+              "ggml type, -1 for float32, and an interleaved copy or None, or no interleaved copies at all), a "
+              "qkv bias or None and two norms; got ", k_caches.size(), " K caches, ", v_caches.size(), " V caches, ",
               weights.size(), " weights, ", types.size(), " types, ", interleaved.size(), " interleaved copies, ",
               qkv_biases.size(),
               " biases, ", input_norms.size(), " and ", post_attention_norms.size(), " norms");
@@ -117,7 +119,8 @@ std::tuple<torch::Tensor, torch::Tensor> layers_with(
     torch::Tensor stream;
     std::tie(hidden, stream) = layer_with(linear, attention, hidden, residual, cos, sin, k_caches[i], v_caches[i],
                                           slot_mapping, block_tables, context_lens, block_size, &weights[4 * i],
-                                          &types[4 * i], &interleaved[4 * i], qkv_biases[i], input_norms[i], post_attention_norms[i], eps,
+                                          &types[4 * i], &interleaved[4 * i], qkv_biases[i], input_norms[i],
+                                          post_attention_norms[i], eps,
                                           num_heads, num_kv_heads, scale, int8_activations);
     residual = stream;
   }
@@ -140,12 +143,14 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layers(
     const std::string& kernels, torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos,
     torch::Tensor sin, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
     torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-    std::vector<torch::Tensor> weights, std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> interleaved,
-    std::vector<c10::optional<torch::Tensor>> qkv_biases, std::vector<torch::Tensor> input_norms,
+    std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+    std::vector<c10::optional<torch::Tensor>> interleaved, std::vector<c10::optional<torch::Tensor>> qkv_biases,
+    std::vector<torch::Tensor> input_norms,
     std::vector<torch::Tensor> post_attention_norms, double eps, int64_t num_heads, int64_t num_kv_heads,
     double scale, bool int8_activations) {
   const auto [linear, attention] = kernels_named(kernels);
   return layers_with(linear, attention, hidden, residual, cos, sin, k_caches, v_caches, slot_mapping, block_tables,
-                     context_lens, block_size, weights, types, std::move(interleaved), qkv_biases, input_norms, post_attention_norms, eps,
+                     context_lens, block_size, weights, types, std::move(interleaved), qkv_biases, input_norms,
+                     post_attention_norms, eps,
                      num_heads, num_kv_heads, scale, int8_activations);
 }

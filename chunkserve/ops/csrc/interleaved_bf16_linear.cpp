@@ -35,6 +35,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -43,7 +44,8 @@ namespace {
 constexpr int64_t kFeatures = 16;  // features per record: one per 32-bit lane
 constexpr int64_t kRowTile = 8;    // rows that share each widened chunk
 
-int64_t record_bytes(int64_t type) { return type == kQ4_0 ? 288 : (type == kQ4_1 ? 320 : 544); }
+// A record: 16 blocks' bytes, as in the file (the layout at the top).
+constexpr int64_t record_bytes(int64_t type) { return kFeatures * block_bytes(type); }
 
 // Byte offset of the weights in a record (after the scales).
 constexpr int64_t weights_at(int64_t type) { return type == kQ4_1 ? 64 : 32; }
@@ -82,7 +84,7 @@ CHUNKSERVE_AVX512_BF16_TARGET inline void widen(const uint8_t* chunk, __m512bh& 
 template <int64_t Type, int R>
 CHUNKSERVE_AVX512_BF16_TARGET void record_run(const uint16_t* rounded, const float* sums, int64_t K, int64_t blocks,
                                               const uint8_t* records, float* y, int64_t ldy) {
-  constexpr int64_t kRecord = Type == kQ4_0 ? 288 : (Type == kQ4_1 ? 320 : 544);
+  constexpr int64_t kRecord = record_bytes(Type);
   // chains of dot products per row and nibble half: enough in all (4 or more) that their latency overlaps
   constexpr int kChains = R == 1 ? 2 : 1;
   __m512 acc[R];
@@ -127,7 +129,8 @@ CHUNKSERVE_AVX512_BF16_TARGET void record_run(const uint16_t* rounded, const flo
         acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(sum_x, _mm512_set1_ps(2304.f), dot), d, acc[r]);
       } else {
         const __m512 dot = _mm512_add_ps(low_total, high_total);
-        acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(sum_x, _mm512_set1_ps(Type == kQ4_0 ? 136.f : 128.f), dot), d, acc[r]);
+        const __m512 offset = _mm512_set1_ps(Type == kQ4_0 ? 136.f : 128.f);
+        acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(sum_x, offset, dot), d, acc[r]);
         if constexpr (Type == kQ4_1) acc[r] = _mm512_fmadd_ps(m, sum_x, acc[r]);
       }
     }
@@ -185,9 +188,9 @@ torch::Tensor pack_interleaved_blocks(torch::Tensor blocks, int64_t ggml_type) {
           for (int c = 0; c < (ggml_type == kQ8_0 ? 16 : 8); ++c) {
             for (int p = 0; p < 2; ++p) {
               const int k = 2 * c + p;
+              const int low = unsigned_weight(block, ggml_type, k);
               out[at + 32 * c + 2 * f + p] = static_cast<uint8_t>(
-                  ggml_type == kQ8_0 ? unsigned_weight(block, ggml_type, k)
-                                     : unsigned_weight(block, ggml_type, k) | unsigned_weight(block, ggml_type, 16 + k) << 4);
+                  ggml_type == kQ8_0 ? low : low | unsigned_weight(block, ggml_type, 16 + k) << 4);
             }
           }
         }

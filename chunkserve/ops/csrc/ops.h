@@ -90,8 +90,9 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 // linears qkv, o, gate_up, down as weights[4i .. 4i + 3], each GGUF blocks (types[4i + j] its ggml
 // type) or a float32 [out, in] weight (type -1), and interleaved[4i + j] the blocks as
 // pack_interleaved_blocks made them or None (`interleaved` may be empty: none for every linear);
-// int8_activations as block_quantized_linear's, for the blocks. Writes this step's K/V at slot_mapping in every layer's cache and returns (the last
-// layer's MLP output, the stream before it). `kernels` names the mode's linears and attention:
+// int8_activations as block_quantized_linear's, for the blocks. Writes this step's K/V at
+// slot_mapping in every layer's cache and returns (the last layer's MLP output, the stream before
+// it). `kernels` names the mode's linears and attention:
 // - "float32": the blocks by block_quantized_linear, a float32 weight by small_batch_linear;
 //   paged_decode_attention;
 // - "bfloat16": the blocks (its only fusable weights) by bf16_mode_block_linear, with their
@@ -103,8 +104,9 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layers(
     const std::string& kernels, torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos,
     torch::Tensor sin, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
     torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-    std::vector<torch::Tensor> weights, std::vector<int64_t> types, std::vector<c10::optional<torch::Tensor>> interleaved,
-    std::vector<c10::optional<torch::Tensor>> qkv_biases, std::vector<torch::Tensor> input_norms,
+    std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+    std::vector<c10::optional<torch::Tensor>> interleaved, std::vector<c10::optional<torch::Tensor>> qkv_biases,
+    std::vector<torch::Tensor> input_norms,
     std::vector<torch::Tensor> post_attention_norms, double eps, int64_t num_heads, int64_t num_kv_heads,
     double scale, bool int8_activations);
 
