@@ -78,6 +78,13 @@ CHUNKSERVE_AVX512_BF16_TARGET inline void widen(const uint8_t* chunk, __m512bh& 
   high = reinterpret_cast<__m512bh>(_mm512_or_si512(_mm512_srli_epi16(words, 4), bias));
 }
 
+// The bfloat16 pair at `values` (two positions) in every 32-bit lane.
+CHUNKSERVE_AVX512_BF16_TARGET inline __m512bh broadcast_pair(const uint16_t* values) {
+  int32_t pair;
+  std::memcpy(&pair, values, sizeof(pair));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+}
+
 // y[r * ldy + 0..15] = x_r . w for R rows of x (their bfloat16 values `rounded`, K apart, and block
 // sums `sums`, `blocks` apart) and the 16 features of a run of `blocks` records (the features'
 // whole rows). Each widened chunk serves all R rows; a row keeps its own sums per block.
@@ -95,9 +102,9 @@ CHUNKSERVE_AVX512_BF16_TARGET void record_run(const uint16_t* rounded, const flo
     __m512 low_sum[R][kChains], high_sum[R][kChains];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < kChains; ++c) low_sum[r][c] = high_sum[r][c] = _mm512_setzero_ps();
-    // pairs of positions of each row's block b
-    const uint32_t* x[R];
-    for (int r = 0; r < R; ++r) x[r] = reinterpret_cast<const uint32_t*>(rounded + r * K + b * kBlockWeights);
+    // each row's block b, its bfloat16 values read in pairs of positions
+    const uint16_t* x[R];
+    for (int r = 0; r < R; ++r) x[r] = rounded + r * K + b * kBlockWeights;
     constexpr int kChunks = Type == kQ8_0 ? 16 : 8;
 #pragma GCC unroll 16
     for (int c = 0; c < kChunks; ++c) {
@@ -106,9 +113,8 @@ CHUNKSERVE_AVX512_BF16_TARGET void record_run(const uint16_t* rounded, const flo
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         // Q8_0: both halves of a byte are one weight (pair c); Q4: the high nibbles are pair 8 + c
-        const __m512bh pair = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r][c])));
-        const __m512bh high_pair =
-            Type == kQ8_0 ? pair : reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r][8 + c])));
+        const __m512bh pair = broadcast_pair(x[r] + 2 * c);
+        const __m512bh high_pair = Type == kQ8_0 ? pair : broadcast_pair(x[r] + 16 + 2 * c);
         low_sum[r][c % kChains] = _mm512_dpbf16_ps(low_sum[r][c % kChains], low, pair);
         high_sum[r][c % kChains] = _mm512_dpbf16_ps(high_sum[r][c % kChains], high, high_pair);
       }
