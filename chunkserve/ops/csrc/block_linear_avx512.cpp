@@ -7,6 +7,7 @@
 #include "block_expand_avx512.h"
 #include "block_linear.h"
 #include "cpu_isa.h"
+#include "row_tiles.h"
 
 #include <ATen/Parallel.h>
 
@@ -36,7 +37,7 @@ constexpr int kFeatureTile = R == 1 ? 8 : (R <= 4 ? 4 : 2);
 template <int64_t Type, int R, int F>
 CHUNKSERVE_AVX512_TARGET void tile(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
                                    int64_t ldy) {
-  constexpr int64_t kBytes = Type == kQ4_0 ? 18 : (Type == kQ4_1 ? 20 : 34);
+  constexpr int64_t kBytes = block_bytes(Type);
   __m512 acc[R][F];
   for (int r = 0; r < R; ++r)
     for (int f = 0; f < F; ++f) acc[r][f] = _mm512_setzero_ps();
@@ -80,20 +81,9 @@ CHUNKSERVE_AVX512_TARGET void feature_range(const float* x, int64_t M, int64_t K
   const int64_t slice = std::max<int64_t>(1, kSliceBytes / row_bytes);
   for (int64_t s = begin; s < end; s += slice) {
     const int64_t count = std::min(end, s + slice) - s;
-    for (int64_t m = 0; m < M; m += kRowTile) {
-      const float* rows = x + m * K;
-      float* out = y + m * N;
-      switch (std::min<int64_t>(kRowTile, M - m)) {
-        case 1: features<Type, 1>(rows, K, w, row_bytes, out, N, s, count); break;
-        case 2: features<Type, 2>(rows, K, w, row_bytes, out, N, s, count); break;
-        case 3: features<Type, 3>(rows, K, w, row_bytes, out, N, s, count); break;
-        case 4: features<Type, 4>(rows, K, w, row_bytes, out, N, s, count); break;
-        case 5: features<Type, 5>(rows, K, w, row_bytes, out, N, s, count); break;
-        case 6: features<Type, 6>(rows, K, w, row_bytes, out, N, s, count); break;
-        case 7: features<Type, 7>(rows, K, w, row_bytes, out, N, s, count); break;
-        default: features<Type, 8>(rows, K, w, row_bytes, out, N, s, count); break;
-      }
-    }
+    for_each_row_tile<kRowTile>(M, [&](int64_t m, auto rows) {
+      features<Type, decltype(rows)::value>(x + m * K, K, w, row_bytes, y + m * N, N, s, count);
+    });
   }
 }
 

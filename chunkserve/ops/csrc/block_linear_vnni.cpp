@@ -19,6 +19,7 @@
 // (a whole number of block pairs; block_quantized_linear checks both).
 #include "block_linear.h"
 #include "cpu_isa.h"
+#include "row_tiles.h"
 
 #include <ATen/Parallel.h>
 
@@ -132,7 +133,7 @@ CHUNKSERVE_VNNI_TARGET inline void unpack(const uint8_t* a, const uint8_t* b, __
 template <int64_t Type, int R, int F>
 CHUNKSERVE_VNNI_TARGET void tile(const PairActivations* x, int64_t pairs, const uint8_t* w, int64_t row_bytes,
                                  float* y, int64_t ldy) {
-  constexpr int64_t kBytes = Type == kQ4_0 ? 18 : (Type == kQ4_1 ? 20 : 34);
+  constexpr int64_t kBytes = block_bytes(Type);
   __m512 acc[R][F];
   for (int r = 0; r < R; ++r)
     for (int f = 0; f < F; ++f) acc[r][f] = _mm512_setzero_ps();
@@ -181,16 +182,9 @@ CHUNKSERVE_VNNI_TARGET void feature_range(const PairActivations* x, int64_t M, i
   const int64_t slice = std::max<int64_t>(1, kSliceBytes / row_bytes);
   for (int64_t s = begin; s < end; s += slice) {
     const int64_t count = std::min(end, s + slice) - s;
-    for (int64_t m = 0; m < M; m += kRowTile) {
-      const PairActivations* rows = x + m * pairs;
-      float* out = y + m * N;
-      switch (std::min<int64_t>(kRowTile, M - m)) {
-        case 1: features<Type, 1>(rows, pairs, w, row_bytes, out, N, s, count); break;
-        case 2: features<Type, 2>(rows, pairs, w, row_bytes, out, N, s, count); break;
-        case 3: features<Type, 3>(rows, pairs, w, row_bytes, out, N, s, count); break;
-        default: features<Type, 4>(rows, pairs, w, row_bytes, out, N, s, count); break;
-      }
-    }
+    for_each_row_tile<kRowTile>(M, [&](int64_t m, auto rows) {
+      features<Type, decltype(rows)::value>(x + m * pairs, pairs, w, row_bytes, y + m * N, N, s, count);
+    });
   }
 }
 

@@ -20,6 +20,7 @@
 #include "block_expand_avx512.h"
 #include "block_linear.h"
 #include "cpu_isa.h"
+#include "row_tiles.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -200,23 +201,12 @@ void linear(const Source& source, const typename Source::X* x, int64_t M, float*
     const std::unique_ptr<float[]> partial(run_length < K ? new float[kSliceFeatures * kRowTile * 16] : nullptr);
     for (int64_t s = begin; s < end; s += kSliceFeatures) {
       const int64_t stop = std::min(end, s + kSliceFeatures);
-      for (int64_t m = 0; m < M; m += kRowTile) {
-        const auto* rows = x + m * K;
-        float* out = y + m * N;
+      for_each_row_tile<kRowTile>(M, [&](int64_t m, auto rows) {
         for (int64_t k = 0; k < K; k += run_length) {
           const KRun run{k, std::min(K, k + run_length), partial.get()};
-          switch (std::min<int64_t>(kRowTile, M - m)) {
-            case 1: features<Source, 1>(source, rows, out, N, s, stop, run); break;
-            case 2: features<Source, 2>(source, rows, out, N, s, stop, run); break;
-            case 3: features<Source, 3>(source, rows, out, N, s, stop, run); break;
-            case 4: features<Source, 4>(source, rows, out, N, s, stop, run); break;
-            case 5: features<Source, 5>(source, rows, out, N, s, stop, run); break;
-            case 6: features<Source, 6>(source, rows, out, N, s, stop, run); break;
-            case 7: features<Source, 7>(source, rows, out, N, s, stop, run); break;
-            default: features<Source, 8>(source, rows, out, N, s, stop, run); break;
-          }
+          features<Source, decltype(rows)::value>(source, x + m * K, y + m * N, N, s, stop, run);
         }
-      }
+      });
     }
   });
 }

@@ -29,6 +29,7 @@
 // hardware prefetcher follows best.
 #include "block_linear.h"
 #include "cpu_isa.h"
+#include "row_tiles.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -149,21 +150,9 @@ CHUNKSERVE_AVX512_BF16_TARGET void record_run(const uint16_t* rounded, const flo
 template <int64_t Type>
 CHUNKSERVE_AVX512_BF16_TARGET void rows_against_run(const uint16_t* rounded, const float* sums, int64_t M, int64_t K,
                                                     int64_t blocks, const uint8_t* records, float* y, int64_t N) {
-  for (int64_t m = 0; m < M; m += kRowTile) {
-    const uint16_t* x = rounded + m * K;
-    const float* s = sums + m * blocks;
-    float* out = y + m * N;
-    switch (std::min<int64_t>(kRowTile, M - m)) {
-      case 1: record_run<Type, 1>(x, s, K, blocks, records, out, N); break;
-      case 2: record_run<Type, 2>(x, s, K, blocks, records, out, N); break;
-      case 3: record_run<Type, 3>(x, s, K, blocks, records, out, N); break;
-      case 4: record_run<Type, 4>(x, s, K, blocks, records, out, N); break;
-      case 5: record_run<Type, 5>(x, s, K, blocks, records, out, N); break;
-      case 6: record_run<Type, 6>(x, s, K, blocks, records, out, N); break;
-      case 7: record_run<Type, 7>(x, s, K, blocks, records, out, N); break;
-      default: record_run<Type, 8>(x, s, K, blocks, records, out, N); break;
-    }
-  }
+  for_each_row_tile<kRowTile>(M, [&](int64_t m, auto rows) {
+    record_run<Type, decltype(rows)::value>(rounded + m * K, sums + m * blocks, K, blocks, records, y + m * N, N);
+  });
 }
 
 using RowsAgainstRunFn = void (*)(const uint16_t*, const float*, int64_t, int64_t, int64_t, const uint8_t*,
