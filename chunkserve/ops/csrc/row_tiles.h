@@ -2,9 +2,9 @@
 // own instantiation of the kernel's tile function, chosen at run time here, in one place.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 // f(std::integral_constant<int, R>{}) for R = min(rows, Max), rows >= 1.
 template <int Max, typename F>
