@@ -36,7 +36,6 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
