@@ -13,6 +13,8 @@ import functools
 BF16_FLAGS = {"avx512_bf16": "AVX512_BF16", "amx_bf16": "AMX"}
 # the integer dot products (of unsigned and signed bytes) `--int8-activations` computes with
 VNNI_FLAG = "avx512_vnni"
+# bfloat16 tile products (AMX), which torch's own attention kernel uses for bfloat16 operands
+AMX_BF16_FLAG = "amx_bf16"
 
 
 @functools.cache
@@ -38,6 +40,13 @@ def native_bf16() -> bool:
 def native_int8_dot() -> bool:
     """True where the CPU has AVX-512 VNNI, which `--int8-activations`' kernel needs."""
     return VNNI_FLAG in cpu_flags()
+
+
+def native_amx_bf16() -> bool:
+    """True where the CPU has AMX's bfloat16 tiles: torch's flash attention multiplies bfloat16
+    there at twice our AVX-512 prefill op's rate (docs/benchmarks-log.md, "Prefill attention on
+    AMX tiles")."""
+    return AMX_BF16_FLAG in cpu_flags()
 
 
 def auto_dtype() -> str:

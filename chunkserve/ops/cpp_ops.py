@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from chunkserve.config.cpu import native_amx_bf16
 from chunkserve.config.engine import OP_BACKENDS
 from chunkserve.errors import InvalidRequestError
 from chunkserve.ops.deterministic_ops import deterministic_model_ops
@@ -140,6 +141,38 @@ def onednn_bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor
     return out if bias is None else out.add_(bias)
 
 
+# From this many keys (a chunk's history and its own) torch's flash attention on AMX tiles beats
+# the C++ prefill op: 512 tokens from the first position 1.3x, 512 after 1536 2.2x; at 256 it is
+# slower (measured: docs/benchmarks-log.md, "Prefill attention on AMX tiles").
+AMX_PREFILL_MIN_CONTEXT = 512
+
+
+def amx_prefill_attention(cpp_prefill: Callable[..., torch.Tensor], q: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, block_table: torch.Tensor, start: int, block_size: int,
+                          scale: float) -> torch.Tensor:
+    """A prefill chunk's attention (a `PrefillKernel` once `cpp_prefill`, the C++ op, is bound)
+    for a CPU with AMX: a chunk over a bfloat16 KV cache that attends AMX_PREFILL_MIN_CONTEXT keys
+    or more by torch's flash attention in bfloat16, which multiplies on AMX tiles, about twice the
+    C++ op's rate there (docs/benchmarks-log.md, "Prefill attention on AMX tiles"); shorter ones,
+    where its several parallel regions cost more than they save, and a float32 cache (float32
+    mode, a float32 draft model) by the C++ op. The keys and values are gathered from the blocks,
+    the queries rounded to bfloat16 as the C++ op rounds them, and the output rounded to bfloat16
+    too (one rounding more than the C++ op's float32 sums) and widened back. Queries at positions
+    [start, start + n) see keys [0, start + i]."""
+    if k_cache.dtype != torch.bfloat16 or start + q.shape[0] < AMX_PREFILL_MIN_CONTEXT:
+        return cpp_prefill(q, k_cache, v_cache, block_table, start, block_size, scale)
+    context = start + q.shape[0]
+    slots = (block_table[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:context]
+    keys = k_cache[slots].transpose(0, 1).unsqueeze(0)  # (1, kv_heads, context, D)
+    values = v_cache[slots].transpose(0, 1).unsqueeze(0)
+    queries = q.to(torch.bfloat16).transpose(0, 1).unsqueeze(0)  # (1, heads, n, D)
+    # bottom-right causal (SDPA's is_causal aligns top-left: the same only where start == 0)
+    mask = torch.arange(context)[None, :] <= torch.arange(start, context)[:, None] if start else None
+    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=not start,
+                                              scale=scale, enable_gqa=True)
+    return attended.squeeze(0).transpose(0, 1).float()
+
+
 # (q, k_cache, v_cache, block_tables, context_lens, block_size, scale) -> attention output
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
                         torch.Tensor]
@@ -191,14 +224,18 @@ class CppOps:
     cpu_isa: Callable[[], str]  # the instruction set of the kernels that have several: avx512, avx2, portable
     set_cpu_isa: Callable[[str], str]  # another one this CPU has (tests, benchmarks); returns the last
 
-    def attention_kernels(self, deterministic: bool = False) -> AttentionKernels:
+    def attention_kernels(self, deterministic: bool = False, amx: bool | None = None) -> AttentionKernels:
         """The in-place attention ops; where `deterministic`, ones that give a query row the same
         bits whether it decodes (beside any other decodes), sits at any row of a prefill chunk
-        of any start and length, or is verified: decode rows as 1-row chunks of the prefill op."""
+        of any start and length, or is verified: decode rows as 1-row chunks of the prefill op.
+        Otherwise, on a CPU with AMX (`amx`, default: whether this one has it), prefill chunks over
+        a bfloat16 cache go to torch's flash attention on AMX tiles (`amx_prefill_attention`)."""
         if deterministic:
             return AttentionKernels(decode=self.deterministic_decode_attention,
                                     prefill=functools.partial(self.prefill_attention, deterministic=True))
-        return AttentionKernels(decode=self.decode_attention, prefill=self.prefill_attention)
+        amx = native_amx_bf16() if amx is None else amx
+        prefill = functools.partial(amx_prefill_attention, self.prefill_attention) if amx else self.prefill_attention
+        return AttentionKernels(decode=self.decode_attention, prefill=prefill)
 
     def model_ops(self, linear_dtype: torch.dtype = torch.float32, int8_activations: bool = False,
                   deterministic: bool = False) -> ModelOps:

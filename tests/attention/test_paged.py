@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from chunkserve.attention.paged import paged_attention
+from chunkserve.ops.cpp_ops import AMX_PREFILL_MIN_CONTEXT
 from chunkserve.core.messages import ScheduledRequest
 from chunkserve.worker.input_batch import build_forward_batch
 from tests.ops.support import NMSE_BOUND, nmse
@@ -68,7 +69,7 @@ def test_in_place_decode_equals_the_torch_reference(cpp_ops, cpu_isa, heads, kv_
     reference = paged_attention(q, k_cache, v_cache, build_forward_batch(scheduled, tokens, tables, block_size).attn,
                                 0.125)
     in_place = paged_attention(q, k_cache, v_cache,
-                               build_forward_batch(scheduled, tokens, tables, block_size, cpp_ops.attention_kernels()).attn,
+                               build_forward_batch(scheduled, tokens, tables, block_size, cpp_ops.attention_kernels(amx=False)).attn,
                                0.125)
     torch.testing.assert_close(in_place, reference, rtol=1e-5, atol=1e-5)
 
@@ -88,7 +89,7 @@ def test_in_place_prefill_chunks_equal_the_torch_reference(cpp_ops, cpu_isa, hea
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     reference_batch = build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size)
     reference = paged_attention(q, k_cache, v_cache, reference_batch.attn, 0.125)
-    batch = build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size, cpp_ops.attention_kernels())
+    batch = build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size, cpp_ops.attention_kernels(amx=False))
     assert all(chunk.key_slots is None and chunk.mask is None for chunk in batch.attn.prefills)  # nothing gathered
     in_place = paged_attention(q, k_cache, v_cache, batch.attn, 0.125)
     if kv_dtype == torch.bfloat16 and bf16_products(cpp_ops, cpu_isa, head_dim):
@@ -99,6 +100,32 @@ def test_in_place_prefill_chunks_equal_the_torch_reference(cpp_ops, cpu_isa, hea
         assert nmse(in_place, reference) < NMSE_BOUND
     else:
         torch.testing.assert_close(in_place, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (10, 2, 64, 80)])
+def test_amx_prefill_chunks_are_within_the_bound_of_the_torch_reference(cpp_ops, heads, kv_heads, head_dim,
+                                                                        block_size):
+    """The prefill path of a CPU with AMX (torch's flash attention in bfloat16 over the gathered
+    keys for chunks of AMX_PREFILL_MIN_CONTEXT keys or more, the C++ op for shorter ones; it runs
+    on any CPU, so it is checked on every one): over a bfloat16 cache, chunks of both kinds beside
+    decodes, against the reference on the same bfloat16 queries (the probabilities' and the
+    output's roundings apart) and within the per-op bound of the float32 queries' result; over a
+    float32 cache it is the C++ op, bit for bit."""
+    q, k_cache, v_cache, scheduled, tokens = mixed_step(heads, kv_heads, head_dim, block_size)
+    contexts = [s.num_computed_tokens + s.num_scheduled_tokens for s in scheduled if s.num_scheduled_tokens > 1]
+    assert min(contexts) < AMX_PREFILL_MIN_CONTEXT <= max(contexts)
+    amx_kernels, cpp_kernels = cpp_ops.attention_kernels(amx=True), cpp_ops.attention_kernels(amx=False)
+    batch = build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size, amx_kernels)
+    cpp_batch = build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size, cpp_kernels)
+    assert torch.equal(paged_attention(q, k_cache, v_cache, batch.attn, 0.125),
+                       paged_attention(q, k_cache, v_cache, cpp_batch.attn, 0.125))
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    reference_batch = build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size)
+    reference = paged_attention(q, k_cache, v_cache, reference_batch.attn, 0.125)
+    rounded_queries = paged_attention(q.bfloat16().float(), k_cache, v_cache, reference_batch.attn, 0.125)
+    amx = paged_attention(q, k_cache, v_cache, batch.attn, 0.125)
+    torch.testing.assert_close(amx, rounded_queries, rtol=1e-2, atol=1e-2)
+    assert nmse(amx, reference) < NMSE_BOUND
 
 
 def bf16_products(cpp_ops, cpu_isa: str, head_dim: int) -> bool:
@@ -112,7 +139,7 @@ def test_bf16_kv_attention_is_within_the_bound_of_float32(cpp_ops, step):
     cache (SmolLM2's heads: 9 over 3 kv heads of 64); the prefill chunks' products in bfloat16
     where the CPU has AVX512_BF16."""
     q, k_cache, v_cache, scheduled, tokens = decode_step(9, 3, 64) if step == "decode" else mixed_step(9, 3, 64, 16)
-    attn = build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE, cpp_ops.attention_kernels()).attn
+    attn = build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE, cpp_ops.attention_kernels(amx=False)).attn
     float32 = paged_attention(q, k_cache, v_cache, attn, 0.125)
     bf16 = paged_attention(q, k_cache.bfloat16(), v_cache.bfloat16(), attn, 0.125)
     assert bf16.dtype == torch.float32 and nmse(bf16, float32) < NMSE_BOUND
