@@ -35,12 +35,14 @@ from tests.model.accuracy_support import (
     teacher_forced_logits,
     vllm_rule_check,
 )
+from tests.paged_runner import PagedRunner
 
 NEW_TOKENS = 64
 MIN_AGREEMENT = 0.97  # teacher-forced greedy agreement
 MAX_MEAN_KL = 1e-3  # nats per token
 MIN_TINY_AGREEMENT = 0.9
 MAX_TINY_MEAN_KL = 2e-3
+LONG_SEQUENCE = 1024  # tokens: two prompt chunks of 512, the second over a history
 
 pytestmark = pytest.mark.skipif(not native_bf16(), reason="bfloat16 mode needs AVX512_BF16 or AMX")
 
@@ -77,6 +79,41 @@ def test_bf16_mode_meets_the_accuracy_contract_on_smollm2(hf_default_model, defa
     for agreement, mean_kl in measured.values():
         assert agreement >= MIN_AGREEMENT
         assert mean_kl <= MAX_MEAN_KL
+
+
+@pytest.fixture(scope="module")
+def long_reference(hf_default_model, default_tokenizer) -> tuple[list[int], list[int], torch.Tensor]:
+    """The 32 prompts' texts as one prompt, and transformers' greedy continuation of it to
+    LONG_SEQUENCE tokens with the float32 logits that chose each token."""
+    prompt = default_tokenizer.encode(" ".join(ACCURACY_PROMPTS))
+    ((continuation, logits),) = hf_greedy(hf_default_model, [prompt], LONG_SEQUENCE - len(prompt))
+    return prompt, continuation, logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("amx", [False, True], ids=["cpp prefill attention", "amx prefill attention"])
+def test_bf16_mode_long_prompt_chunks_meet_the_accuracy_contract(long_reference, cpp_ops, amx):
+    """Prompt chunks over a long history, where a CPU with AMX attends in torch's flash attention
+    (`amx_prefill_attention`, from AMX_PREFILL_MIN_CONTEXT keys) instead of the C++ op; both paths
+    run on any CPU, so both are checked on every one. `long_reference`, teacher-forced through our
+    bfloat16 model in chunks of 512, against transformers' float32 logits of the continuation."""
+    prompt, continuation, hf_logits = long_reference
+    sequence = prompt + continuation[:-1]
+    source = resolve_model(None)
+    config = load_model_config(source)
+    runner = PagedRunner(load_model(source, config, "bfloat16", LONG_SEQUENCE), config,
+                         num_blocks=LONG_SEQUENCE // 16 + 1, cpp_ops=cpp_ops)
+    runner.attention_kernels = cpp_ops.attention_kernels(amx=amx)
+    runner.add("long", sequence)
+    rows = torch.cat([runner.step({"long": min(512, len(sequence) - start)})["long"]
+                      for start in range(0, len(sequence), 512)])
+    ours = rows[len(prompt) - 1:]
+    agreement = float((ours.argmax(-1) == hf_logits.argmax(-1)).float().mean())
+    mean_kl = float(kl_per_token(hf_logits, ours).mean())
+    print(f"bf16, {'amx' if amx else 'cpp'} prefill attention, {len(continuation)} positions after "
+          f"{len(prompt)} prompt tokens: agreement {agreement:.4f}, mean KL {mean_kl:.2e}")
+    assert agreement >= MIN_AGREEMENT
+    assert mean_kl <= MAX_MEAN_KL
 
 
 @pytest.mark.parametrize("path", ["prefill", "decode 4 rows", "decode 1 row"])
