@@ -39,7 +39,9 @@
   (`bf16_mode_block_linear`: bfloat16 products by `interleaved_bf16_linear`), and
   every step of a layer without blocks (`onednn_bf16_linear`). The attention
   ops read a float32 or a bfloat16 KV cache; over a bfloat16 one the prefill op multiplies in
-  bfloat16 where the CPU has AVX512_BF16 (outside deterministic mode).
+  bfloat16 where the CPU has AVX512_BF16 (outside deterministic mode). Where the CPU has AMX, chunks
+  of `AMX_PREFILL_MIN_CONTEXT` keys or more over a bfloat16 cache take torch's flash attention
+  instead, which multiplies on AMX tiles (`amx_prefill_attention`).
 
 The last five reach the model as a `ModelOps` (model/ops.py), whose plain-torch set
 `TORCH_OPS` they are tested against.
