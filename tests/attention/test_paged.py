@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from chunkserve.attention.paged import paged_attention
-from chunkserve.ops.cpp_ops import AMX_PREFILL_MIN_CONTEXT
 from chunkserve.core.messages import ScheduledRequest
+from chunkserve.ops.cpp_ops import AMX_PREFILL_MIN_CONTEXT
 from chunkserve.worker.input_batch import build_forward_batch
 from tests.ops.support import NMSE_BOUND, nmse
 from tests.paged_runner import tables_of
@@ -68,9 +68,8 @@ def test_in_place_decode_equals_the_torch_reference(cpp_ops, cpu_isa, heads, kv_
     tables = tables_of(scheduled)
     reference = paged_attention(q, k_cache, v_cache, build_forward_batch(scheduled, tokens, tables, block_size).attn,
                                 0.125)
-    in_place = paged_attention(q, k_cache, v_cache,
-                               build_forward_batch(scheduled, tokens, tables, block_size, cpp_ops.attention_kernels(amx=False)).attn,
-                               0.125)
+    batch = build_forward_batch(scheduled, tokens, tables, block_size, cpp_ops.attention_kernels(amx=False))
+    in_place = paged_attention(q, k_cache, v_cache, batch.attn, 0.125)
     torch.testing.assert_close(in_place, reference, rtol=1e-5, atol=1e-5)
 
 
@@ -89,7 +88,8 @@ def test_in_place_prefill_chunks_equal_the_torch_reference(cpp_ops, cpu_isa, hea
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     reference_batch = build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size)
     reference = paged_attention(q, k_cache, v_cache, reference_batch.attn, 0.125)
-    batch = build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size, cpp_ops.attention_kernels(amx=False))
+    kernels = cpp_ops.attention_kernels(amx=False)
+    batch = build_forward_batch(scheduled, tokens, tables_of(scheduled), block_size, kernels)
     assert all(chunk.key_slots is None and chunk.mask is None for chunk in batch.attn.prefills)  # nothing gathered
     in_place = paged_attention(q, k_cache, v_cache, batch.attn, 0.125)
     if kv_dtype == torch.bfloat16 and bf16_products(cpp_ops, cpu_isa, head_dim):
@@ -139,7 +139,8 @@ def test_bf16_kv_attention_is_within_the_bound_of_float32(cpp_ops, step):
     cache (SmolLM2's heads: 9 over 3 kv heads of 64); the prefill chunks' products in bfloat16
     where the CPU has AVX512_BF16."""
     q, k_cache, v_cache, scheduled, tokens = decode_step(9, 3, 64) if step == "decode" else mixed_step(9, 3, 64, 16)
-    attn = build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE, cpp_ops.attention_kernels(amx=False)).attn
+    kernels = cpp_ops.attention_kernels(amx=False)
+    attn = build_forward_batch(scheduled, tokens, tables_of(scheduled), BLOCK_SIZE, kernels).attn
     float32 = paged_attention(q, k_cache, v_cache, attn, 0.125)
     bf16 = paged_attention(q, k_cache.bfloat16(), v_cache.bfloat16(), attn, 0.125)
     assert bf16.dtype == torch.float32 and nmse(bf16, float32) < NMSE_BOUND
