@@ -115,8 +115,18 @@ step_llama() {
         log "llama: llama-server and llama-quantize built, skipped"
     else
         log "llama: building llama-server llama-quantize (-j$JOBS; 7-15 min on 2 cores)"
+        # For this CPU (GGML_NATIVE), except where it has AMX: there the native build's server dies at
+        # load on Q4_0 and Q8_0 (SIGSEGV; seen 2026-11-29 on an Intel host under KVM), so it is built
+        # for its AVX-512 kernels with AMX off (docs/benchmarks-log.md, "llama.cpp without AMX").
+        local isa=(-DGGML_NATIVE=ON)
+        if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+            log "llama: the CPU has AMX: building with AVX-512 and AMX off"
+            isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+                 -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+                 -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+        fi
         # LLAMA_USE_PREBUILT_UI must be off: it tries to download the web UI.
-        (cd "$LLAMA_DIR" && $NICE cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        (cd "$LLAMA_DIR" && $NICE cmake -B build -DCMAKE_BUILD_TYPE=Release "${isa[@]}" \
             -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
             -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
             && $NICE cmake --build build -j"$JOBS" --target llama-server llama-quantize)
