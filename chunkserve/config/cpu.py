@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import functools
 
-# /proc/cpuinfo flags of the instructions oneDNN computes bfloat16 products with, and their names
-BF16_FLAGS = {"avx512_bf16": "AVX512_BF16", "amx_bf16": "AMX"}
-# the integer dot products (of unsigned and signed bytes) `--int8-activations` computes with
-VNNI_FLAG = "avx512_vnni"
 # bfloat16 tile products (AMX), which torch's own attention kernel uses for bfloat16 operands
 AMX_BF16_FLAG = "amx_bf16"
+# /proc/cpuinfo flags of the instructions oneDNN computes bfloat16 products with, and their names
+BF16_FLAGS = {"avx512_bf16": "AVX512_BF16", AMX_BF16_FLAG: "AMX"}
+# the integer dot products (of unsigned and signed bytes) `--int8-activations` computes with
+VNNI_FLAG = "avx512_vnni"
 
 
 @functools.cache

@@ -168,11 +168,17 @@ def amx_prefill_attention(cpp_prefill: Callable[..., torch.Tensor], q: torch.Ten
     keys = k_cache[slots].transpose(0, 1).unsqueeze(0)  # (1, kv_heads, context, D)
     values = v_cache[slots].transpose(0, 1).unsqueeze(0)
     queries = q.to(torch.bfloat16).transpose(0, 1).unsqueeze(0)  # (1, heads, n, D)
-    # bottom-right causal (SDPA's is_causal aligns top-left: the same only where start == 0)
-    mask = torch.arange(context)[None, :] <= torch.arange(start, context)[:, None] if start else None
-    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=not start,
-                                              scale=scale, enable_gqa=True)
+    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=_later_chunk_mask(start, context),
+                                              is_causal=not start, scale=scale, enable_gqa=True)
     return attended.squeeze(0).transpose(0, 1).float()
+
+
+@functools.lru_cache(maxsize=16)
+def _later_chunk_mask(start: int, context: int) -> torch.Tensor | None:
+    """[context - start, context] True where query start + i sees key j (j <= start + i): causal
+    aligned bottom-right, which SDPA's `is_causal` (top-left) is only where start == 0 (None).
+    Cached: every layer of a step attends the same chunks (never written to)."""
+    return torch.arange(context)[None, :] <= torch.arange(start, context)[:, None] if start else None
 
 
 # (q, k_cache, v_cache, block_tables, context_lens, block_size, scale) -> attention output
